@@ -1,0 +1,29 @@
+# The two commands a newcomer needs (README): `make demo` and `make test`.
+# Each creates .venv/ on first use and installs the project with its extras into it.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[all]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/twopc demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check coordinator resource_managers messaging spark_integration
+	$(BIN)/mypy
+	$(BIN)/python tools/check_layering.py
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

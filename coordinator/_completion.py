@@ -1,0 +1,342 @@
+"""Drives a transaction to its end: the I/O around the pure rules in `protocol`.
+
+The ordering rules this module enforces (each marked by a crash point):
+- Nothing is logged before every branch voted; a no vote rolls back and logs nothing.
+- The COMMIT record is forced before any branch is told to commit: that write is the commit point.
+- END is written only after every branch has committed, and it need not be forced.
+- If the log cannot say whether the COMMIT record is on disk, nothing is rolled back: the outcome
+  is unknown until recovery reads the log again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, NoReturn
+
+from . import protocol
+from .crashpoints import crash_point
+from .decision_log import Decision, DecisionLog, HeuristicRecord
+from .errors import (
+    CompletionPending,
+    FencedError,
+    HeuristicError,
+    HeuristicHazard,
+    HeuristicMixed,
+    HeuristicRollback,
+    LogWriteError,
+    OutcomeUnknownError,
+    TransactionRolledBack,
+    TransactionTimedOut,
+)
+from .protocol import BranchResult, Plan, Verdict
+from .resource import Outcome, Vote
+from .states import TxState
+
+if TYPE_CHECKING:
+    from .transaction import Branch, Transaction
+
+log = logging.getLogger("twopc.completion")
+
+_HEURISTIC_ERRORS: dict[Outcome, type[HeuristicError]] = {
+    Outcome.HEURISTIC_MIXED: HeuristicMixed,
+    Outcome.HEURISTIC_ROLLBACK: HeuristicRollback,
+    Outcome.HEURISTIC_HAZARD: HeuristicHazard,
+}
+
+
+def commit(tx: Transaction) -> Outcome:
+    """Complete ``tx``; bounded by its timeout when it has one.
+
+    With a timeout the completion runs as one job on the manager's pool and the caller waits at
+    most until the deadline (plus ``phase_two_grace`` once the decision is made). A caller that
+    gives up before the commit point fences the job: it will abort instead of writing a decision.
+    """
+    started = time.perf_counter()
+    try:
+        left = tx.remaining()
+        if left is None:
+            outcome = _complete(tx)
+        else:
+            outcome = _wait(tx, tx.manager.executor().submit(_complete, tx), left)
+    finally:
+        tx.manager.metrics.observe("commit", time.perf_counter() - started)
+    if outcome == Outcome.COMMIT_PENDING:
+        warnings.warn(
+            f"transaction {tx.gtrid} committed; some branches are not told yet and recovery "
+            "will finish them",
+            CompletionPending,
+            stacklevel=3,
+        )
+    return outcome
+
+
+def _wait(tx: Transaction, job: Future[Outcome], left: float) -> Outcome:
+    try:
+        return job.result(timeout=max(left, 0.0))
+    except FutureTimeout:
+        pass
+    with tx._lock:
+        decided = tx.state in (TxState.COMMITTING, TxState.COMMITTED)
+        tx.caller_gave_up = not decided
+    if not decided:
+        tx.rollback_reason = "timeout"
+        raise TransactionTimedOut(
+            f"transaction {tx.gtrid} timed out before its commit point; it rolls back",
+            gtrid=tx.gtrid,
+            reason="timeout",
+        )
+    try:
+        return job.result(timeout=tx.manager.phase_two_grace)
+    except FutureTimeout:
+        return Outcome.COMMIT_PENDING
+
+
+def _complete(tx: Transaction) -> Outcome:
+    if tx.state == TxState.ACTIVE:
+        _before_completion(tx)
+    chosen = protocol.plan(len(tx.branches), tx.state == TxState.MARKED_ROLLBACK)
+    if chosen == Plan.ROLLBACK:
+        rollback(tx)
+        raise tx.rolled_back_error("commit refused")
+    if tx.timed_out():
+        tx.set_rollback_only("timeout")
+        rollback(tx)
+        raise tx.rolled_back_error("commit refused")
+    if chosen == Plan.NOTHING:
+        return _finish(tx, TxState.COMMITTED, Outcome.COMMITTED)
+    if chosen == Plan.ONE_PHASE:
+        return _one_phase(tx)
+    return _two_phase(tx)
+
+
+def rollback(tx: Transaction) -> None:
+    """Roll back every branch; what cannot be reached is left to recovery's presumed abort."""
+    with tx._lock:
+        if tx.state in (TxState.ROLLING_BACK, TxState.ROLLED_BACK):
+            return
+        tx.move_to(TxState.ROLLING_BACK)
+    tx.rollback_reason = tx.rollback_reason or "application"
+    _rollback_branches(tx, [b.resource.name for b in tx.ordered_branches()])
+    _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
+
+
+def _before_completion(tx: Transaction) -> None:
+    for sync in list(tx.synchronizations):
+        try:
+            sync.before_completion()
+        except Exception as exc:
+            tx.set_rollback_only("before_completion failed")
+            rollback(tx)
+            raise TransactionRolledBack(
+                f"before-completion hook failed: {exc!r}", gtrid=tx.gtrid, reason="hook"
+            ) from exc
+
+
+# -- one phase ---------------------------------------------------------------------------------
+
+
+def _one_phase(tx: Transaction) -> Outcome:
+    branch = tx.ordered_branches()[0]
+    tx.move_to(TxState.COMMITTING)
+    try:
+        branch.resource.commit(branch.xid, one_phase=True)
+    except OutcomeUnknownError:
+        _finish(tx, TxState.UNKNOWN, None)
+        raise
+    except Exception as exc:
+        tx.rollback_reason = "one-phase commit failed"
+        _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
+        raise TransactionRolledBack(
+            f"one-phase commit of {branch.xid} failed: {exc!r}", gtrid=tx.gtrid, reason="error"
+        ) from exc
+    crash_point("tm.one_phase.before_ack")
+    tx.manager.metrics.incr("one_phase")
+    return _finish(tx, TxState.COMMITTED, Outcome.COMMITTED)
+
+
+# -- two phase ---------------------------------------------------------------------------------
+
+
+def _two_phase(tx: Transaction) -> Outcome:
+    tx.move_to(TxState.PREPARING)
+    started = time.perf_counter()
+    order = [b.resource.name for b in tx.ordered_branches()]
+    votes, error = _phase_one(tx)
+    tx.manager.metrics.observe("prepare", time.perf_counter() - started)
+    result = protocol.tally(order, votes)
+    if result.verdict == Verdict.ABORT:
+        return _abort(tx, result.rollback, error)
+    if result.verdict == Verdict.READ_ONLY:
+        tx.manager.metrics.incr("read_only")
+        return _finish(tx, TxState.COMMITTED, Outcome.READ_ONLY)
+    read_only = [n for n in order if votes.get(n) == Vote.READ_ONLY]
+    if read_only:
+        crash_point("tm.read_only.after_vote")
+    _force_decision(tx, result)
+    return _phase_two(tx, result.commit)
+
+
+def _phase_one(tx: Transaction) -> tuple[dict[str, Vote | None], BaseException | None]:
+    """Collect votes; stop at the first no (sequential) or wait for all (parallel)."""
+    crash_point("tm.before_prepare")
+    votes: dict[str, Vote | None] = {}
+    branches = tx.ordered_branches()
+    if tx.manager.parallel and len(branches) > 1:
+        return _parallel_prepare(tx, branches)
+    for index, branch in enumerate(branches, 1):
+        vote, error = _prepare_one(tx, branch)
+        votes[branch.resource.name] = vote
+        crash_point(f"tm.after_prepare.{index}")
+        if vote in (None, Vote.ROLLBACK):
+            return votes, error
+    return votes, None
+
+
+def _prepare_one(tx: Transaction, branch: Branch) -> tuple[Vote | None, BaseException | None]:
+    try:
+        vote = branch.resource.prepare(branch.xid)
+    except Exception as exc:
+        log.info("branch %s voted no: %r", branch.xid, exc)
+        return None, exc
+    answer: object = vote  # a resource outside the type checker may return anything
+    if not isinstance(answer, Vote):
+        return None, TypeError(f"{branch.resource.name}.prepare returned {answer!r}, not a Vote")
+    return answer, None
+
+
+def _parallel_prepare(
+    tx: Transaction, branches: list[Branch]
+) -> tuple[dict[str, Vote | None], BaseException | None]:
+    pool = tx.manager.branch_executor()
+    futures = [(b, pool.submit(b.resource.prepare, b.xid)) for b in branches]
+    votes: dict[str, Vote | None] = {}
+    error: BaseException | None = None
+    for index, (branch, future) in enumerate(futures, 1):
+        vote, exc = _vote_from(tx, branch, future)
+        votes[branch.resource.name] = vote
+        error = error or exc
+        crash_point(f"tm.after_prepare.{index}")
+    return votes, error
+
+
+def _vote_from(
+    tx: Transaction, branch: Branch, future: Future[Vote]
+) -> tuple[Vote | None, BaseException | None]:
+    try:
+        return future.result(), None
+    except Exception as exc:
+        return None, exc
+
+
+def _abort(tx: Transaction, names: tuple[str, ...], error: BaseException | None) -> NoReturn:
+    tx.move_to(TxState.ROLLING_BACK)
+    tx.rollback_reason = tx.rollback_reason or "vote"
+    _rollback_branches(tx, list(names))
+    _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
+    cls = TransactionTimedOut if tx.rollback_reason == "timeout" else TransactionRolledBack
+    raise cls(
+        f"transaction {tx.gtrid} rolled back: a branch voted no ({error!r})",
+        gtrid=tx.gtrid,
+        reason=tx.rollback_reason,
+    ) from error
+
+
+def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
+    """Write the commit point. On failure decide, from what the log says, who may roll back."""
+    crash_point("tm.before_decision_write")
+    decision = Decision(tx.gtrid, result.commit, tx.wall_deadline, time.time())
+    started = time.perf_counter()
+    try:
+        with tx._lock:  # the caller's timeout and the commit point must not interleave
+            if tx.caller_gave_up:
+                raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
+            tx.manager.log.log_commit(decision)
+            tx.move_to(TxState.COMMITTING)
+    except FencedError as exc:
+        tx.rollback_reason = "timeout"
+        _abort(tx, result.commit, exc)
+    except LogWriteError as exc:
+        if exc.durable is False:
+            tx.rollback_reason = "log write failed"
+            _abort(tx, result.commit, exc)
+        tx.manager.log_failed(exc)
+        _finish(tx, TxState.UNKNOWN, None)
+        raise OutcomeUnknownError(
+            f"the decision for {tx.gtrid} may or may not be on disk; its branches stay prepared "
+            "until recovery reads the log after a restart",
+            gtrid=tx.gtrid,
+        ) from exc
+    tx.manager.metrics.observe("decision", time.perf_counter() - started)
+    crash_point("tm.after_decision_fsync")
+
+
+def _phase_two(tx: Transaction, names: tuple[str, ...]) -> Outcome:
+    started = time.perf_counter()
+    results: dict[str, BranchResult] = {}
+    for index, name in enumerate(names, 1):
+        branch = tx.branches[name]
+        results[name] = _commit_branch(tx, branch)
+        crash_point(f"tm.after_commit.{index}")
+    tx.manager.metrics.observe("commit_phase", time.perf_counter() - started)
+    outcome = protocol.outcome(Verdict.COMMIT, results)
+    if BranchResult.UNREACHABLE not in results.values():
+        crash_point("tm.before_end_record")
+        tx.manager.log.log_end(tx.gtrid)
+    _finish(tx, TxState.COMMITTED, outcome)
+    if outcome.is_heuristic:
+        raise _HEURISTIC_ERRORS.get(outcome, HeuristicMixed)(
+            f"transaction {tx.gtrid} ended {outcome.value}: "
+            + ", ".join(f"{n}={r.value}" for n, r in results.items()),
+            gtrid=tx.gtrid,
+            outcome=outcome.value,
+        )
+    return outcome
+
+
+def _commit_branch(tx: Transaction, branch: Branch) -> BranchResult:
+    try:
+        reported = branch.resource.commit(branch.xid)
+    except Exception as exc:
+        log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
+        tx.manager.metrics.incr("commit_unreachable")
+        return BranchResult.UNREACHABLE
+    result = protocol.branch_result(reported)
+    if result != BranchResult.DONE and reported is not None:
+        record_heuristic(tx.manager.log, branch.xid.gtrid, branch.resource.name, reported)
+    return result
+
+
+def record_heuristic(log_: DecisionLog, gtrid: str, branch: str, outcome: Outcome) -> None:
+    """Force a heuristic record: the evidence must outlive the process that saw it."""
+    log.error("heuristic outcome %s on branch %s of %s", outcome.value, branch, gtrid)
+    log_.log_heuristic(HeuristicRecord(gtrid, branch, outcome.value, "", time.time()))
+
+
+def _rollback_branches(tx: Transaction, names: list[str]) -> None:
+    for index, name in enumerate(names, 1):
+        branch = tx.branches[name]
+        try:
+            reported = branch.resource.rollback(branch.xid)
+        except Exception as exc:
+            log.warning("rollback of %s failed, recovery will retry: %r", branch.xid, exc)
+            tx.manager.metrics.incr("rollback_unreachable")
+            reported = None
+        if reported == Outcome.HEURISTIC_COMMIT:
+            record_heuristic(tx.manager.log, tx.gtrid, name, reported)
+        crash_point(f"tm.after_rollback.{index}")
+
+
+def _finish(tx: Transaction, state: TxState, outcome: Outcome | None) -> Outcome:
+    tx.move_to(state)
+    tx.outcome = outcome
+    tx.manager.ended(tx)
+    for sync in tx.synchronizations:
+        try:
+            sync.after_completion(outcome or Outcome.HEURISTIC_HAZARD)
+        except Exception:
+            log.exception("after-completion hook of %s failed (ignored)", tx.gtrid)
+    return outcome or Outcome.HEURISTIC_HAZARD

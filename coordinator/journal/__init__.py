@@ -1,0 +1,27 @@
+"""A segmented, group-committed, append-only journal of opaque records.
+
+Written once, used by the decision log, the message log and the cursor store. See `Journal`.
+"""
+
+from __future__ import annotations
+
+from ._fileops import FileOps, OsFileOps
+from ._framing import MAX_RECORD_BYTES, SegmentHeader
+from ._gate import Gate
+from ._journal import DEFAULT_SEGMENT_BYTES, Journal, JournalStats
+from ._segment import Damage, SegmentReader, list_segments, read_current
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "MAX_RECORD_BYTES",
+    "Damage",
+    "FileOps",
+    "Gate",
+    "Journal",
+    "JournalStats",
+    "OsFileOps",
+    "SegmentHeader",
+    "SegmentReader",
+    "list_segments",
+    "read_current",
+]

@@ -1,0 +1,203 @@
+"""Opening a journal directory: check it, replay it, and only then repair it.
+
+Everything is read and judged before anything is changed. A torn tail of the active segment is the
+one damage we repair, because only there can a crash have cut a write short whose caller was never
+told it was durable. Every other kind of damage means records we acknowledged may be unreadable,
+so we refuse with `LogCorruptionError` and leave every byte as it was for an operator to examine.
+
+Leftovers we do clean, because their contents are known to be redundant:
+- segments older than the active segment's ``first_live`` (a compaction that crashed before
+  deleting them): everything live in them was carried forward; they are replayed first anyway,
+  which only repeats records, then deleted;
+- the segment right after the active one (a rollover that crashed before CURRENT named it): it holds
+  only carried copies, because nothing is appended to a segment before CURRENT names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.errors import LogCorruptionError
+
+from ._fileops import FileOps, create_file, fsync_dir, replace_file
+from ._framing import FRAME_HEADER_SIZE, SegmentHeader, corruption, encode_frame
+from ._segment import (
+    CURRENT,
+    Damage,
+    SegmentReader,
+    current_contents,
+    list_segments,
+    read_current,
+    segment_name,
+)
+
+log = logging.getLogger("twopc.journal")
+
+Replay = Callable[[bytes], None]
+
+
+@dataclass
+class Active:
+    """The segment appends go to. ``base`` is its size right after creation (header and carry)."""
+
+    seq: int
+    path: Path
+    fd: int
+    size: int
+    base: int
+
+
+@dataclass
+class Opened:
+    active: Active
+    truncated_bytes: int
+    dir_fsyncs: int
+
+
+def open_directory(directory: Path, ops: FileOps, max_record: int, replay: Replay) -> Opened:
+    """Replay every record to ``replay`` in order and return the segment to append to."""
+    segments = list_segments(directory)
+    current = read_current(directory)
+    if current is None:
+        return _start_fresh(directory, ops, segments, max_record)
+    first_live = _check_layout(directory, segments, current, max_record)
+    damage: Damage | None = None
+    end = 0
+    for seq, path in segments.items():
+        if seq <= current:
+            damage, end = _replay_segment(path, seq, max_record, replay, last=seq == current)
+    truncated = _cut_torn_tail(ops, segments[current], damage)
+    stale = [path for seq, path in segments.items() if seq > current or seq < first_live]
+    dir_fsyncs = _remove_stale(directory, ops, stale)
+    fd = os.open(segments[current], os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    header_size = FRAME_HEADER_SIZE + len(SegmentHeader(current, current).encode())
+    return Opened(Active(current, segments[current], fd, end, header_size), truncated, dir_fsyncs)
+
+
+def _check_layout(directory: Path, segments: dict[int, Path], current: int, max_record: int) -> int:
+    """Refuse a directory whose set of segments cannot be the result of our own writes."""
+    if current not in segments:
+        reason = f"CURRENT names {segment_name(current)}, which is missing"
+        raise corruption(str(directory / CURRENT), None, reason)
+    newer = [seq for seq in segments if seq > current + 1]
+    if newer:
+        reason = f"segment is newer than the one CURRENT names ({current})"
+        raise corruption(str(segments[newer[0]]), None, reason)
+    first_live = _read_header(segments[current], current, max_record).first_live
+    missing = [seq for seq in range(first_live, current) if seq not in segments]
+    if missing:
+        raise corruption(
+            str(directory / segment_name(missing[0])),
+            None,
+            f"segment is missing, yet {segment_name(current)} still needs every segment "
+            f"from {first_live}",
+        )
+    return first_live
+
+
+def _read_header(path: Path, seq: int, max_record: int) -> SegmentHeader:
+    reader = SegmentReader(path, max_record)
+    frames = reader.frames()
+    try:
+        return _check_header(reader, next(frames, None), seq)
+    finally:
+        frames.close()  # closes the file now, not whenever the generator is collected
+
+
+def _check_header(
+    reader: SegmentReader, first: tuple[int, bytes] | None, seq: int
+) -> SegmentHeader:
+    """A segment must open with its own header: anything else is not a file we wrote whole."""
+    path = str(reader.path)
+    if first is None:
+        reason = reader.damage.describe() if reader.damage else "empty file"
+        raise corruption(path, 0, f"segment header unreadable: {reason}")
+    header = SegmentHeader.decode(first[1], path)
+    if header.seq != seq:
+        raise corruption(path, 0, f"header says segment {header.seq}, file name says {seq}")
+    return header
+
+
+def _replay_segment(
+    path: Path, seq: int, max_record: int, replay: Replay, *, last: bool
+) -> tuple[Damage | None, int]:
+    """Deliver one segment's records; return its torn tail (only allowed if last) and sound end."""
+    reader = SegmentReader(path, max_record)
+    frames = reader.frames()
+    _check_header(reader, next(frames, None), seq)
+    for offset, payload in frames:
+        try:
+            replay(payload)
+        except LogCorruptionError as exc:
+            raise corruption(str(path), offset, f"record rejected: {exc.message}") from exc
+    damage = reader.damage
+    if damage is not None and not (last and damage.torn):
+        where = "" if last else " (not the last segment, where no write can have been cut short)"
+        raise corruption(str(path), damage.offset, damage.describe() + where)
+    return damage, reader.end
+
+
+def _cut_torn_tail(ops: FileOps, path: Path, damage: Damage | None) -> int:
+    if damage is None:
+        return 0
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    try:
+        ops.truncate(fd, damage.offset)
+        ops.fsync(fd)
+    finally:
+        os.close(fd)
+    log.warning(
+        "journal: dropped a torn tail of %d bytes from %s at offset %d (%s)",
+        damage.dropped_bytes,
+        path,
+        damage.offset,
+        damage.reason,
+    )
+    return damage.dropped_bytes
+
+
+def _remove_stale(directory: Path, ops: FileOps, stale: list[Path]) -> int:
+    for path in stale:
+        log.warning("journal: removing %s, left over by an interrupted rollover", path)
+        path.unlink()
+    if not stale:
+        return 0
+    fsync_dir(ops, directory)
+    return 1
+
+
+def _start_fresh(
+    directory: Path, ops: FileOps, segments: dict[int, Path], max_record: int
+) -> Opened:
+    """A new log: segment 1, then CURRENT naming it (in that order, so CURRENT never dangles)."""
+    if segments and not _abandoned_start(segments, max_record):
+        reason = f"CURRENT is missing but {len(segments)} segment(s) exist"
+        raise corruption(str(directory / CURRENT), None, reason)
+    for path in segments.values():
+        log.warning("journal: removing %s, left over by an interrupted first start", path)
+        path.unlink()
+    path = directory / segment_name(1)
+    data = encode_frame(SegmentHeader(1, 1).encode())
+    fd = create_file(ops, path, data)
+    try:
+        fsync_dir(ops, directory)
+        replace_file(ops, directory / CURRENT, current_contents(1))
+        fsync_dir(ops, directory)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Opened(Active(1, path, fd, len(data), len(data)), 0, 2)
+
+
+def _abandoned_start(segments: dict[int, Path], max_record: int) -> bool:
+    """True for the remains of a first start that died before writing CURRENT: segment 1 alone,
+    holding at most its header, so no record can be in it."""
+    if list(segments) != [1]:
+        return False
+    reader = SegmentReader(segments[1], max_record)
+    only_header = all(offset == 0 for offset, _ in reader.frames())  # reads to the end or damage
+    return only_header and (reader.damage is None or reader.damage.torn)

@@ -1,0 +1,333 @@
+"""The transaction manager: begins transactions, owns the decision log, runs recovery."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import _reaper
+from .backoff import Backoff, ExponentialBackoff
+from .decision_log import DecisionLog, HeuristicRecord
+from .errors import (
+    ConfigurationError,
+    IllegalStateError,
+    LogWriteError,
+    NoTransactionError,
+    TransientError,
+)
+from .metrics import Metrics
+from .recovery import Recovery, RecoveryReport
+from .resource import Resource
+from .states import TxState
+from .transaction import Transaction
+from .xid import GtridFactory, Xid, custom_gtrid, validate_resource_name
+
+log = logging.getLogger("twopc.manager")
+T = TypeVar("T")
+_UNSET: Any = object()
+
+#: the transaction of the current thread or task (contextvars follow asyncio tasks too)
+_current: ContextVar[Transaction | None] = ContextVar("twopc_current_transaction", default=None)
+
+
+def current() -> Transaction | None:
+    return _current.get()
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    """A committed transaction some of whose branches have not been told yet."""
+
+    gtrid: str
+    branches: tuple[str, ...]
+    age_s: float
+    last_error: str | None
+
+
+class _Guard:
+    """The in-flight guard for one recovery pass (see `recovery`), snapshotted at its start."""
+
+    def __init__(self, manager: TransactionManager) -> None:
+        self._manager = manager
+        with manager._lock:
+            self._snapshot = set(manager._in_flight)
+            self._high_water = manager._gtrids.high_water
+            manager._custom_since_snapshot = set()
+
+    def maybe_in_flight(self, gtrid: str) -> bool:
+        m = self._manager
+        if gtrid in self._snapshot or gtrid in m._in_flight or gtrid in m._unknown:
+            return True
+        if gtrid in m._custom_since_snapshot:
+            return True
+        seq = m._gtrids.own_seq(gtrid)
+        return seq is not None and seq > self._high_water
+
+
+class TransactionManager:
+    """Coordinates two-phase commit for one node.
+
+    ``node_id`` prefixes every gtrid this manager creates; recovery only ever touches branches
+    with this prefix, so give each live manager its own id (and its own log). ``resources`` must
+    list every resource that may hold branches, so that recovery can reach them after a crash.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        log: DecisionLog,
+        resources: Iterable[Resource] = (),
+        *,
+        default_timeout: float | None = 60.0,
+        parallel: bool = False,
+        max_workers: int = 16,
+        phase_two_grace: float = 30.0,
+        recovery_interval: float | None = 30.0,
+        recover_on_start: bool = True,
+        reaper_interval: float | None = 1.0,
+        abandon_after: float = 60.0,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.log = log
+        self.default_timeout = default_timeout
+        self.parallel = parallel
+        self.phase_two_grace = phase_two_grace
+        self.metrics = Metrics()
+        self._gtrids = GtridFactory(node_id)
+        self._resources: dict[str, Resource] = {}
+        self._lock = threading.Lock()
+        self._recovery_lock = threading.Lock()
+        self._in_flight: dict[str, Transaction] = {}
+        self._custom_since_snapshot: set[str] = set()
+        self._unknown: set[str] = set()
+        self._log_error: LogWriteError | None = None
+        self._max_workers = max_workers
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._recovery = Recovery(
+            node_id, log, self._resources, self.metrics, backoff or ExponentialBackoff()
+        )
+        self._tickers: list[_reaper.Ticker] = []
+        self._closed = False
+        for resource in resources:
+            self.register(resource)
+        self.metrics.gauges["in_doubt"] = lambda: float(len(self.in_doubt()))
+        self.metrics.gauges["oldest_in_doubt_age_seconds"] = self._oldest_in_doubt_age
+        if recover_on_start:
+            self.recover()
+        if reaper_interval:
+            self._start("twopc-reaper", reaper_interval, lambda: _reaper.reap(self, abandon_after))
+        if recovery_interval:
+            self._start("twopc-recovery", recovery_interval, self._periodic_recovery)
+
+    # -- resources -----------------------------------------------------------------------------
+
+    def register(self, resource: Resource) -> None:
+        """Make ``resource`` known for recovery; its name must be unique in this manager."""
+        name = validate_resource_name(resource.name)
+        with self._lock:
+            known = self._resources.get(name)
+            if known is not None and known is not resource:
+                raise ConfigurationError(f"two different resources are named {name!r}")
+            self._resources[name] = resource
+
+    def resource(self, name: str) -> Resource:
+        return self._resources[name]
+
+    # -- transactions ----------------------------------------------------------------------------
+
+    def begin(
+        self, timeout: float | None = _UNSET, *, gtrid_suffix: str | None = None
+    ) -> Transaction:
+        """Start a transaction and make it the current one of this thread or task."""
+        self._check_open()
+        if _current.get() is not None and not _current.get().state.is_final:  # type: ignore[union-attr]
+            raise IllegalStateError("a transaction is already active in this context")
+        gtrid = self._new_gtrid(gtrid_suffix)
+        tx = Transaction(self, gtrid, self.default_timeout if timeout is _UNSET else timeout)
+        with self._lock:
+            self._in_flight[gtrid] = tx
+        _current.set(tx)
+        self.metrics.incr("begun")
+        return tx
+
+    @contextlib.contextmanager
+    def transaction(self, timeout: float | None = _UNSET, **kwargs: Any) -> Iterator[Transaction]:
+        """Commit on normal exit, roll back on an exception (which is re-raised)."""
+        tx = self.begin(timeout, **kwargs)
+        try:
+            yield tx
+        except BaseException:
+            if not tx.state.is_final:
+                tx.rollback()
+            raise
+        else:
+            if not tx.state.is_final:
+                tx.commit()
+        finally:
+            if _current.get() is tx:
+                _current.set(None)
+
+    def current(self) -> Transaction:
+        tx = _current.get()
+        if tx is None or tx.state.is_final:
+            raise NoTransactionError("no transaction is active in this context")
+        return tx
+
+    def run(
+        self, work: Callable[[Transaction], T], *, tries: int = 3, timeout: float | None = _UNSET
+    ) -> T:
+        """Run ``work`` in a transaction, retrying the whole of it on a transient error.
+
+        A retry is safe only because the failed attempt rolled back completely; an
+        `OutcomeUnknownError` is never retried, since the attempt may have committed.
+        """
+        backoff = ExponentialBackoff(base=0.05, cap=2.0)
+        for attempt in range(1, tries + 1):
+            tx: Transaction | None = None
+            try:
+                with self.transaction(timeout) as tx:
+                    return work(tx)
+            except Exception as exc:
+                if attempt == tries or not self._is_transient(exc, tx):
+                    raise
+                self.metrics.incr("retries")
+                time.sleep(backoff.compute(attempt))
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _is_transient(exc: BaseException, tx: Transaction | None) -> bool:
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, TransientError):
+                return True
+            for branch in tx.branches.values() if tx else ():
+                judge = getattr(branch.resource, "is_transient", None)
+                if judge is not None and judge(cause):
+                    return True
+            cause = cause.__cause__
+        return False
+
+    def _new_gtrid(self, suffix: str | None) -> str:
+        if suffix is None:
+            return self._gtrids.next()[0]
+        gtrid = custom_gtrid(self.node_id, suffix)
+        with self._lock:
+            if gtrid in self._in_flight:
+                raise IllegalStateError(f"gtrid {gtrid} is already in flight")
+            self._custom_since_snapshot.add(gtrid)
+        return gtrid
+
+    # -- called by transactions ------------------------------------------------------------------
+
+    def ended(self, tx: Transaction) -> None:
+        with self._lock:
+            self._in_flight.pop(tx.gtrid, None)
+            if tx.state == TxState.UNKNOWN:
+                self._unknown.add(tx.gtrid)
+        self.metrics.incr(
+            f"outcome_{(tx.outcome.value if tx.outcome else 'unknown').replace('-', '_')}"
+        )
+
+    def in_flight(self) -> list[Transaction]:
+        with self._lock:
+            return list(self._in_flight.values())
+
+    def log_failed(self, error: LogWriteError) -> None:
+        """The log may hold a record we cannot see: stop deciding, stop presuming aborts."""
+        log.critical("decision log failed (%r); restart the process to recover", error)
+        self._log_error = error
+
+    def executor(self) -> ThreadPoolExecutor:
+        """Runs whole completions bounded by a timeout."""
+        return self._pool("completion")
+
+    def branch_executor(self) -> ThreadPoolExecutor:
+        """Runs parallel prepares; separate, so a completion never waits on its own pool."""
+        return self._pool("branch")
+
+    def _pool(self, kind: str) -> ThreadPoolExecutor:
+        pool = self._pools.get(kind)
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get(kind)
+                if pool is None:
+                    pool = ThreadPoolExecutor(self._max_workers, f"twopc-{kind}")
+                    self._pools[kind] = pool
+        return pool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IllegalStateError("transaction manager is closed")
+        if self._log_error is not None:
+            raise self._log_error
+
+    # -- recovery and operations -----------------------------------------------------------------
+
+    def recover(self, *, force: bool = False) -> RecoveryReport:
+        """One recovery pass (see `recovery`); passes never overlap."""
+        with self._recovery_lock:
+            guard = _Guard(self)
+            return self._recovery.run(guard, presume_abort=self._log_error is None, force=force)
+
+    def in_doubt(self) -> list[InDoubt]:
+        now = time.time()
+        retries = self._recovery.retries.last_error
+        return [
+            InDoubt(d.gtrid, d.branches, now - d.written_at, retries.get(d.gtrid))
+            for d in self.log.pending()
+            if d.gtrid not in self._in_flight
+        ]
+
+    def _oldest_in_doubt_age(self) -> float:
+        return max((d.age_s for d in self.in_doubt()), default=0.0)
+
+    def heuristics(self) -> list[HeuristicRecord]:
+        return self.log.heuristics()
+
+    def forget_heuristic(self, gtrid: str, branch: str | None = None) -> None:
+        """An operator has dealt with it: let the resource and the log drop the record."""
+        for record in self.log.heuristics():
+            if record.gtrid == gtrid and branch in (None, record.branch):
+                resource = self._resources.get(record.branch)
+                if resource is not None:
+                    resource.forget(Xid.branch_of(gtrid, record.branch))
+        self.log.forget_heuristic(gtrid, branch)
+
+    def metrics_dict(self) -> dict[str, Any]:
+        return self.metrics.as_dict()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _periodic_recovery(self) -> None:
+        if not self._closed:
+            self.recover()
+
+    def _start(self, name: str, interval: float, work: Callable[[], None]) -> None:
+        ticker = _reaper.Ticker(name, interval, work)
+        self._tickers.append(ticker)
+        ticker.start()
+
+    def close(self) -> None:
+        """Stop background work and close the log. In-flight transactions are left to recovery."""
+        if self._closed:
+            return
+        self._closed = True
+        for ticker in self._tickers:
+            ticker.stop()
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.log.close()
+
+    def __enter__(self) -> TransactionManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

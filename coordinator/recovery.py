@@ -1,0 +1,200 @@
+"""Recovery: finish what a crash or an unreachable server left in doubt.
+
+One pass does, in this order:
+1. every COMMIT without END: commit each branch again (idempotent), then write END;
+2. every prepared branch a resource lists that is ours, not possibly in flight, and has no
+   decision: roll it back (presumed abort).
+What cannot finish now is retried with back-off on a later pass; nothing is guessed.
+
+The in-flight guard is exact, not timed: the manager that runs recovery holds the log (the
+directory lock or the lease), so no other process can own our branches, and it knows which of its
+own transactions are alive. The guard is snapshotted *before* the resources are listed, so a
+transaction that begins after the snapshot is never mistaken for an orphan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from . import protocol
+from ._completion import record_heuristic
+from .backoff import Backoff
+from .crashpoints import crash_point
+from .decision_log import Decision, DecisionLog
+from .metrics import Metrics
+from .protocol import Action, BranchResult
+from .resource import Outcome, Resource
+from .xid import Xid
+
+log = logging.getLogger("twopc.recovery")
+
+
+class InFlightGuard(Protocol):
+    """Answers "might this gtrid still be in flight in the live manager?" for one pass."""
+
+    def maybe_in_flight(self, gtrid: str) -> bool: ...
+
+
+@dataclass
+class RecoveryReport:
+    committed: list[str] = field(default_factory=list)  # gtrids whose decision was finished
+    rolled_back: list[str] = field(default_factory=list)  # gids rolled back by presumed abort
+    heuristics: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # "what: error", retried later
+    deferred: int = 0  # waiting for their back-off
+    left_alone: int = 0  # foreign or in flight
+
+    @property
+    def clean(self) -> bool:
+        return not self.failures and not self.deferred
+
+
+class _Retries:
+    """Per-key failure counts and next-due times, so a dead server is not hammered."""
+
+    def __init__(self, backoff: Backoff) -> None:
+        self.backoff = backoff
+        self.failures: dict[str, int] = {}
+        self.due: dict[str, float] = {}
+        self.last_error: dict[str, str] = {}
+
+    def is_due(self, key: str) -> bool:
+        return self.due.get(key, 0.0) <= time.monotonic()
+
+    def failed(self, key: str, error: BaseException) -> None:
+        n = self.failures[key] = self.failures.get(key, 0) + 1
+        self.due[key] = time.monotonic() + self.backoff.compute(n)
+        self.last_error[key] = repr(error)
+
+    def succeeded(self, key: str) -> None:
+        for table in (self.failures, self.due, self.last_error):
+            table.pop(key, None)
+
+
+class Recovery:
+    def __init__(
+        self,
+        node_id: str,
+        log_: DecisionLog,
+        resources: Mapping[str, Resource],
+        metrics: Metrics,
+        backoff: Backoff,
+    ) -> None:
+        self.node_id = node_id
+        self.log = log_
+        self.resources = resources
+        self.metrics = metrics
+        self.retries = _Retries(backoff)
+        self._resolved = 0  # counts resolutions for the crash points recovery.after_resolve.<n>
+
+    def run(
+        self, guard: InFlightGuard, *, presume_abort: bool = True, force: bool = False
+    ) -> RecoveryReport:
+        """One pass. ``force`` ignores back-off (an operator asked now)."""
+        started = time.perf_counter()
+        report = RecoveryReport()
+        for decision in self.log.pending():
+            self._finish_decision(decision, guard, report, force)
+        if presume_abort:
+            decided = {d.gtrid for d in self.log.pending()}
+            for resource in self._ordered_resources():
+                self._presume_abort(resource, decided, guard, report, force)
+        self.metrics.observe("recovery", time.perf_counter() - started)
+        self.metrics.incr("recovery_passes")
+        return report
+
+    def _ordered_resources(self) -> list[Resource]:
+        return sorted(self.resources.values(), key=lambda r: (r.sort_key, r.name))
+
+    # -- 1. re-drive decisions -----------------------------------------------------------------
+
+    def _finish_decision(
+        self, decision: Decision, guard: InFlightGuard, report: RecoveryReport, force: bool
+    ) -> None:
+        if guard.maybe_in_flight(decision.gtrid):
+            report.left_alone += 1
+            return
+        if not (force or self.retries.is_due(decision.gtrid)):
+            report.deferred += 1
+            return
+        if all(self._commit_branch(decision.gtrid, name, report) for name in decision.branches):
+            self.log.log_end(decision.gtrid)
+            self.retries.succeeded(decision.gtrid)
+            report.committed.append(decision.gtrid)
+            self.metrics.incr("recovered_commits")
+
+    def _commit_branch(self, gtrid: str, name: str, report: RecoveryReport) -> bool:
+        resource = self.resources.get(name)
+        xid = Xid.branch_of(gtrid, name)
+        if resource is None:
+            return self._failed(gtrid, f"{xid}: resource {name!r} is not configured", report)
+        try:
+            reported = resource.commit(xid)
+        except Exception as exc:
+            return self._failed(gtrid, exc, report)
+        self._resolved_one()
+        if protocol.branch_result(reported) != BranchResult.DONE and reported is not None:
+            record_heuristic(self.log, gtrid, name, reported)
+            report.heuristics.append(f"{xid}: {reported.value}")
+        return True
+
+    # -- 2. presumed abort ---------------------------------------------------------------------
+
+    def _presume_abort(
+        self,
+        resource: Resource,
+        decided: set[str],
+        guard: InFlightGuard,
+        report: RecoveryReport,
+        force: bool,
+    ) -> None:
+        try:
+            prepared = resource.recover()
+        except Exception as exc:
+            self._failed(f"recover:{resource.name}", exc, report)
+            return
+        for xid in prepared:
+            action = protocol.recovery_action(
+                ours=xid.belongs_to(self.node_id) and xid.bqual == resource.name,
+                has_decision=xid.gtrid in decided,
+                maybe_in_flight=guard.maybe_in_flight(xid.gtrid),
+            )
+            if action != Action.ROLLBACK:
+                report.left_alone += action == Action.LEAVE_ALONE
+                continue
+            if force or self.retries.is_due(xid.to_gid()):
+                self._rollback(resource, xid, report)
+            else:
+                report.deferred += 1
+
+    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> None:
+        try:
+            reported = resource.rollback(xid)
+        except Exception as exc:
+            self._failed(xid.to_gid(), exc, report)
+            return
+        self._resolved_one()
+        self.retries.succeeded(xid.to_gid())
+        report.rolled_back.append(xid.to_gid())
+        self.metrics.incr("presumed_aborts")
+        if reported == Outcome.HEURISTIC_COMMIT:
+            record_heuristic(self.log, xid.gtrid, resource.name, reported)
+            report.heuristics.append(f"{xid}: {reported.value}")
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _failed(self, key: str, error: BaseException | str, report: RecoveryReport) -> bool:
+        exc = error if isinstance(error, BaseException) else RuntimeError(error)
+        self.retries.failed(key, exc)
+        report.failures.append(f"{key}: {exc!r}")
+        self.metrics.incr("recovery_failures")
+        log.warning("recovery of %s failed, will retry: %r", key, exc)
+        return False
+
+    def _resolved_one(self) -> None:
+        self._resolved += 1
+        crash_point(f"recovery.after_resolve.{self._resolved}")

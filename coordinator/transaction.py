@@ -1,0 +1,163 @@
+"""A global transaction: its branches, its state, its hooks. Completion lives in `_completion`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _completion
+from .errors import IllegalStateError, TransactionRolledBack, TransactionTimedOut
+from .resource import Outcome, Resource, Synchronization
+from .states import TxState, check_transition, require
+from .xid import Xid
+
+if TYPE_CHECKING:
+    from .manager import TransactionManager
+
+log = logging.getLogger("twopc.transaction")
+
+
+@dataclass
+class Branch:
+    """One resource's part of a transaction."""
+
+    resource: Resource
+    xid: Xid
+    handle: Any
+
+
+class _Hooks:
+    """Adapts two plain callables to the `Synchronization` protocol."""
+
+    def __init__(
+        self,
+        before: Callable[[], None] | None,
+        after: Callable[[Outcome], None] | None,
+    ) -> None:
+        self._before, self._after = before, after
+
+    def before_completion(self) -> None:
+        if self._before:
+            self._before()
+
+    def after_completion(self, outcome: Outcome) -> None:
+        if self._after:
+            self._after(outcome)
+
+
+class Transaction:
+    """A two-phase-commit transaction over any number of enlisted resources.
+
+    Thread-safety: one application thread drives a transaction; the manager's reaper may mark it
+    rollback-only concurrently, so every state change happens under ``_lock``.
+    """
+
+    def __init__(
+        self,
+        manager: TransactionManager,
+        gtrid: str,
+        timeout: float | None,
+    ) -> None:
+        self.manager = manager
+        self.gtrid = gtrid
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
+        #: the same deadline on the wall clock, written into the decision record as a fence
+        self.wall_deadline = None if timeout is None else time.time() + timeout
+        self.state = TxState.ACTIVE
+        self.outcome: Outcome | None = None
+        self.rollback_reason: str | None = None
+        self.branches: dict[str, Branch] = {}
+        self.synchronizations: list[Synchronization] = []
+        #: set when the caller stopped waiting before the commit point: no decision may follow
+        self.caller_gave_up = False
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"<Transaction {self.gtrid} {self.state.value} branches={sorted(self.branches)}>"
+
+    # -- work phase --------------------------------------------------------------------------
+
+    def join(self, resource: Resource) -> Any:
+        """Enlist ``resource`` and return its handle; joining twice returns the same handle."""
+        with self._lock:
+            self._check_alive("join")
+            branch = self.branches.get(resource.name)
+            if branch is not None:
+                if branch.resource is not resource:
+                    raise IllegalStateError(f"another resource named {resource.name!r} joined")
+                return branch.handle
+            self.manager.register(resource)
+            xid = Xid.branch_of(self.gtrid, resource.name)
+            handle = resource.start(xid)
+            self.branches[resource.name] = Branch(resource, xid, handle)
+            return handle
+
+    def set_rollback_only(self, reason: str = "application") -> None:
+        """Doom the transaction: it can only roll back now. Idempotent."""
+        with self._lock:
+            if self.state == TxState.ACTIVE:
+                check_transition(self.state, TxState.MARKED_ROLLBACK)
+                self.state = TxState.MARKED_ROLLBACK
+                self.rollback_reason = reason
+
+    @property
+    def rollback_only(self) -> bool:
+        return self.state == TxState.MARKED_ROLLBACK
+
+    def register_synchronization(self, sync: Synchronization) -> None:
+        with self._lock:
+            require(self.state, TxState.ACTIVE, TxState.MARKED_ROLLBACK, action="add hooks to")
+            self.synchronizations.append(sync)
+
+    def before_completion(self, fn: Callable[[], None]) -> None:
+        self.register_synchronization(_Hooks(fn, None))
+
+    def after_completion(self, fn: Callable[[Outcome], None]) -> None:
+        self.register_synchronization(_Hooks(None, fn))
+
+    # -- completion --------------------------------------------------------------------------
+
+    def commit(self) -> Outcome:
+        """Commit; returns the outcome or raises (`TransactionRolledBack`, a heuristic, unknown)."""
+        return _completion.commit(self)
+
+    def rollback(self) -> None:
+        _completion.rollback(self)
+
+    # -- helpers for the driver and the reaper -----------------------------------------------
+
+    def move_to(self, target: TxState) -> None:
+        with self._lock:
+            check_transition(self.state, target)
+            self.state = target
+
+    def ordered_branches(self) -> list[Branch]:
+        """Branches in ascending ``sort_key`` (then name) order: the order of every phase."""
+        return sorted(self.branches.values(), key=lambda b: (b.resource.sort_key, b.resource.name))
+
+    def remaining(self) -> float | None:
+        """Seconds left before the timeout (negative once past), None without a timeout."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def timed_out(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= 0
+
+    def _check_alive(self, action: str) -> None:
+        if self.state == TxState.MARKED_ROLLBACK:
+            raise self.rolled_back_error(f"cannot {action}: transaction is marked rollback-only")
+        require(self.state, TxState.ACTIVE, action=action)
+        if self.timed_out():
+            self.set_rollback_only("timeout")
+            raise self.rolled_back_error(f"cannot {action}: transaction timed out")
+
+    def rolled_back_error(self, message: str) -> TransactionRolledBack:
+        reason = self.rollback_reason or "rollback-only"
+        cls = TransactionTimedOut if reason == "timeout" else TransactionRolledBack
+        return cls(f"{message} ({self.gtrid}, reason: {reason})", gtrid=self.gtrid, reason=reason)

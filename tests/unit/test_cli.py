@@ -1,0 +1,92 @@
+"""The operator's command line, run as users run it: a subprocess on a real log directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator import ConfigurationError, FileDecisionLog, InvalidXidError, TransactionManager
+from coordinator import config as config_mod
+from coordinator.cli import summarize, table
+
+
+def twopc(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True
+    )
+
+
+def write_config(tmp_path: Path, resources: dict[str, str] | None = None) -> Path:
+    path = tmp_path / "twopc.json"
+    path.write_text(json.dumps({"node_id": "ops-1", "log": "txlog", "resources": resources or {}}))
+    return path
+
+
+def test_table_formats_and_says_none() -> None:
+    assert table(["a"], []) == "(none)"
+    assert table(["a", "bb"], [(1, 2)]).splitlines() == ["a  bb", "-  --", "1  2"]
+
+
+def test_config_is_validated(tmp_path: Path) -> None:
+    cfg = config_mod.load(write_config(tmp_path, {"ledger": "json:loads"}))
+    assert cfg.log == tmp_path / "txlog" and cfg.node_id == "ops-1"
+    with pytest.raises(ConfigurationError, match="must look like"):
+        config_mod.load_object("no-colon")
+    with pytest.raises(ConfigurationError, match="cannot load"):
+        config_mod.load_object("no.such.module:x")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"node_id": "a:b", "log": "x"}))
+    with pytest.raises(InvalidXidError):
+        config_mod.load(bad)
+
+
+def test_status_recover_and_inspect_on_an_empty_log(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    FileDecisionLog(tmp_path / "txlog").close()
+    status = twopc("status", "-c", str(cfg))
+    assert status.returncode == 0, status.stderr
+    assert "in-doubt transactions" in status.stdout and "(none)" in status.stdout
+    recover = twopc("recover", "-c", str(cfg))
+    assert recover.returncode == 0, recover.stderr
+    assert "rolled back (presumed abort): 0" in recover.stdout
+    assert twopc("log", "inspect", str(tmp_path / "txlog")).returncode == 0
+
+
+def test_status_lists_a_pending_decision_while_the_log_is_held(tmp_path: Path) -> None:
+    from coordinator import Decision
+
+    log = FileDecisionLog(tmp_path / "txlog")
+    log.log_commit(Decision("ops-1:x-1", ("a", "b"), None, 1.0))
+    try:
+        status = twopc("status", "-c", str(write_config(tmp_path)))  # the lock is held here
+    finally:
+        log.close()
+    assert status.returncode == 0, status.stderr
+    assert "ops-1:x-1" in status.stdout and "a,b" in status.stdout
+
+
+def test_recover_refuses_while_another_manager_holds_the_log(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    with TransactionManager("ops-1", FileDecisionLog(tmp_path / "txlog"), recovery_interval=None):
+        proc = twopc("recover", "-c", str(cfg))
+    assert proc.returncode == 2
+    assert "log-locked" in proc.stderr
+
+
+def test_summarize_folds_end_and_forget() -> None:
+    rows = [
+        {"kind": "COMMIT", "gtrid": "g1", "branches": ["a"], "written_at": 0.0},
+        {"kind": "COMMIT", "gtrid": "g2", "branches": ["a"], "written_at": 0.0},
+        {"kind": "END", "gtrid": "g1"},
+        {"kind": "HEURISTIC", "gtrid": "g2", "branch": "a", "outcome": "heuristic-rollback"},
+        {"kind": "HEURISTIC", "gtrid": "g3", "branch": "b", "outcome": "heuristic-commit"},
+        {"kind": "FORGET", "gtrid": "g3", "branch": None},
+    ]
+    pending, heuristics, notes = summarize(rows)
+    assert list(pending) == ["g2"]
+    assert [h["gtrid"] for h in heuristics] == ["g2"]
+    assert notes == []
