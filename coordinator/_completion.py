@@ -305,8 +305,10 @@ def _commit_branch(tx: Transaction, branch: Branch) -> BranchResult:
         tx.manager.metrics.incr("commit_unreachable")
         return BranchResult.UNREACHABLE
     result = protocol.branch_result(reported)
-    if result != BranchResult.DONE and reported is not None:
-        record_heuristic(tx.manager.log, branch.xid.gtrid, branch.resource.name, reported)
+    if result != BranchResult.DONE:
+        record_heuristic(
+            tx.manager.log, branch.xid.gtrid, branch.resource.name, Outcome(result.value)
+        )
     return result
 
 

@@ -17,9 +17,11 @@ from .backoff import Backoff, ExponentialBackoff
 from .decision_log import DecisionLog, HeuristicRecord
 from .errors import (
     ConfigurationError,
+    HeuristicError,
     IllegalStateError,
     LogWriteError,
     NoTransactionError,
+    OutcomeUnknownError,
     TransientError,
 )
 from .metrics import Metrics
@@ -38,7 +40,11 @@ _current: ContextVar[Transaction | None] = ContextVar("twopc_current_transaction
 
 
 def current() -> Transaction | None:
-    return _current.get()
+    """The live transaction of this context; None once it has ended (as `TransactionManager.current`
+    raises then). ``begin``/``commit`` leave the ended one in the variable: completion may run on
+    another thread, which cannot reset this context's variable."""
+    tx = _current.get()
+    return None if tx is None or tx.state.is_final else tx
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,9 @@ class TransactionManager:
     def _is_transient(exc: BaseException, tx: Transaction | None) -> bool:
         cause: BaseException | None = exc
         while cause is not None:
+            # The attempt may have committed: no transient cause below this makes a retry safe.
+            if isinstance(cause, OutcomeUnknownError | HeuristicError):
+                return False
             if isinstance(cause, TransientError):
                 return True
             for branch in tx.branches.values() if tx else ():

@@ -74,6 +74,8 @@ class BranchResult(enum.Enum):
 
 
 _HEURISTIC_OF = {
+    # a commit that reports the branch rolled back was overruled: a heuristic, not success
+    Outcome.ROLLED_BACK: BranchResult.HEURISTIC_ROLLBACK,
     Outcome.HEURISTIC_COMMIT: BranchResult.HEURISTIC_COMMIT,
     Outcome.HEURISTIC_ROLLBACK: BranchResult.HEURISTIC_ROLLBACK,
     Outcome.HEURISTIC_HAZARD: BranchResult.HEURISTIC_HAZARD,
@@ -82,7 +84,7 @@ _HEURISTIC_OF = {
 
 
 def branch_result(reported: Outcome | None) -> BranchResult:
-    """Map what a resource's commit/rollback returned to a phase-two result."""
+    """Map what a resource's commit returned to a phase-two result."""
     return _HEURISTIC_OF.get(reported, BranchResult.DONE) if reported else BranchResult.DONE
 
 
@@ -104,6 +106,8 @@ def outcome(verdict: Verdict, results: Mapping[str, BranchResult]) -> Outcome:
         return Outcome.HEURISTIC_HAZARD
     if n_against:
         return Outcome.HEURISTIC_ROLLBACK if committed else Outcome.HEURISTIC_COMMIT
+    if verdict == Verdict.READ_ONLY:
+        return Outcome.READ_ONLY
     if not committed:
         return Outcome.ROLLED_BACK
     return Outcome.COMMIT_PENDING if BranchResult.UNREACHABLE in values else Outcome.COMMITTED
@@ -125,8 +129,6 @@ def recovery_action(*, ours: bool, has_decision: bool, maybe_in_flight: bool) ->
     "prepared transaction is busy". Past that, a logged decision means commit; foreign branches
     are never touched; and what is ours, settled, and undecided was never committed.
     """
-    if maybe_in_flight:
+    if maybe_in_flight or not ours:
         return Action.LEAVE_ALONE
-    if has_decision:
-        return Action.COMMIT
-    return Action.ROLLBACK if ours else Action.LEAVE_ALONE
+    return Action.COMMIT if has_decision else Action.ROLLBACK

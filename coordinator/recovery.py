@@ -137,9 +137,10 @@ class Recovery:
         except Exception as exc:
             return self._failed(gtrid, exc, report)
         self._resolved_one()
-        if protocol.branch_result(reported) != BranchResult.DONE and reported is not None:
-            record_heuristic(self.log, gtrid, name, reported)
-            report.heuristics.append(f"{xid}: {reported.value}")
+        result = protocol.branch_result(reported)
+        if result != BranchResult.DONE:
+            record_heuristic(self.log, gtrid, name, Outcome(result.value))
+            report.heuristics.append(f"{xid}: {result.value}")
         return True
 
     # -- 2. presumed abort ---------------------------------------------------------------------
