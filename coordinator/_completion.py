@@ -149,6 +149,7 @@ def _one_phase(tx: Transaction) -> Outcome:
         raise
     except Exception as exc:
         tx.rollback_reason = "one-phase commit failed"
+        _rollback_branches(tx, [branch.resource.name])  # release what the server may still hold
         _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
         raise TransactionRolledBack(
             f"one-phase commit of {branch.xid} failed: {exc!r}", gtrid=tx.gtrid, reason="error"
@@ -188,6 +189,8 @@ def _phase_one(tx: Transaction) -> tuple[dict[str, Vote | None], BaseException |
     if tx.manager.parallel and len(branches) > 1:
         return _parallel_prepare(tx, branches)
     for index, branch in enumerate(branches, 1):
+        if tx.caller_gave_up:  # no decision can follow: stop making branches promise
+            return votes, TransactionTimedOut(f"{tx.gtrid} timed out", gtrid=tx.gtrid)
         vote, error = _prepare_one(tx, branch)
         votes[branch.resource.name] = vote
         crash_point(f"tm.after_prepare.{index}")

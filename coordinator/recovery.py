@@ -121,7 +121,10 @@ class Recovery:
         if not (force or self.retries.is_due(decision.gtrid)):
             report.deferred += 1
             return
-        if all(self._commit_branch(decision.gtrid, name, report) for name in decision.branches):
+        # Every branch is tried, even past one that fails: the reachable ones must not stay
+        # prepared (holding locks) until a dead server comes back. END only once all answered.
+        answered = [self._commit_branch(decision.gtrid, n, report) for n in decision.branches]
+        if all(answered):
             self.log.log_end(decision.gtrid)
             self.retries.succeeded(decision.gtrid)
             report.committed.append(decision.gtrid)

@@ -103,7 +103,8 @@ class Xid:
     bqual: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.format_id, int) or not 0 <= self.format_id < 2**31:
+        fid = self.format_id
+        if type(fid) is not int or not 0 <= fid < 2**31:  # bool is an int, and not a format id
             raise InvalidXidError(f"format id {self.format_id!r} must be an int in 0..2**31-1")
         _check_part("gtrid", self.gtrid)
         _check_part("bqual", self.bqual)
@@ -136,7 +137,7 @@ class Xid:
         if not isinstance(gid, str) or len(gid) > MAX_GID_BYTES or "\x00" in gid:
             raise InvalidXidError(f"not a twopc gid: {str(gid)[:80]!r}")
         parts = gid.split("_")
-        if len(parts) != 3 or not parts[0].isdigit():
+        if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()):
             raise InvalidXidError(f"not a twopc gid: {gid[:80]!r}")
         try:
             gtrid = base64.b64decode(parts[1], validate=True).decode("ascii")
