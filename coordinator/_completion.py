@@ -279,10 +279,16 @@ def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
 
 def _phase_two(tx: Transaction, names: tuple[str, ...]) -> Outcome:
     started = time.perf_counter()
+    branches = [tx.branches[name] for name in names]
+    if tx.manager.parallel and len(branches) > 1:
+        pool = tx.manager.branch_executor()
+        pending = [pool.submit(_commit_branch, tx, b) for b in branches]
+        answers = (future.result() for future in pending)  # _commit_branch never raises
+    else:
+        answers = (_commit_branch(tx, b) for b in branches)
     results: dict[str, BranchResult] = {}
-    for index, name in enumerate(names, 1):
-        branch = tx.branches[name]
-        results[name] = _commit_branch(tx, branch)
+    for index, (name, result) in enumerate(zip(names, answers, strict=True), 1):
+        results[name] = result
         crash_point(f"tm.after_commit.{index}")
     tx.manager.metrics.observe("commit_phase", time.perf_counter() - started)
     outcome = protocol.outcome(Verdict.COMMIT, results)
