@@ -10,6 +10,7 @@ The ordering rules this module enforces (each marked by a crash point):
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 import warnings
@@ -27,6 +28,7 @@ from .errors import (
     HeuristicHazard,
     HeuristicMixed,
     HeuristicRollback,
+    LogError,
     LogWriteError,
     OutcomeUnknownError,
     TransactionRolledBack,
@@ -61,7 +63,9 @@ def commit(tx: Transaction) -> Outcome:
         if left is None:
             outcome = _complete(tx)
         else:
-            outcome = _wait(tx, tx.manager.executor().submit(_complete, tx), left)
+            # copy_context: hooks and resources see the caller's context variables there too
+            job = tx.manager.executor().submit(contextvars.copy_context().run, _complete, tx)
+            outcome = _wait(tx, job, left)
     finally:
         tx.manager.metrics.observe("commit", time.perf_counter() - started)
     if outcome == Outcome.COMMIT_PENDING:
@@ -79,31 +83,51 @@ def _wait(tx: Transaction, job: Future[Outcome], left: float) -> Outcome:
         return job.result(timeout=max(left, 0.0))
     except FutureTimeout:
         pass
+    # The commit point is written under tx._lock, so here it has either happened or never will.
     with tx._lock:
-        decided = tx.state in (TxState.COMMITTING, TxState.COMMITTED)
-        tx.caller_gave_up = not decided
-    if not decided:
+        state = tx.state
+        tx.caller_gave_up = state in (TxState.ACTIVE, TxState.MARKED_ROLLBACK, TxState.PREPARING)
+    if state == TxState.UNKNOWN:
+        raise OutcomeUnknownError(
+            f"the decision for {tx.gtrid} may or may not be on disk", gtrid=tx.gtrid
+        )
+    if tx.caller_gave_up:
         tx.rollback_reason = "timeout"
         raise TransactionTimedOut(
             f"transaction {tx.gtrid} timed out before its commit point; it rolls back",
             gtrid=tx.gtrid,
             reason="timeout",
         )
-    try:
+    try:  # committing (or rolling back for its own reason): give it the grace to finish
         return job.result(timeout=tx.manager.phase_two_grace)
     except FutureTimeout:
-        return Outcome.COMMIT_PENDING
+        return _late(tx, state)
+
+
+def _late(tx: Transaction, state: TxState) -> Outcome:
+    """What the caller may be told when phase two outlives the grace period."""
+    if state in (TxState.ROLLING_BACK, TxState.ROLLED_BACK):
+        raise tx.rolled_back_error("rollback still running after the timeout")
+    if tx.one_phase:  # no decision record: only the resource's answer says what happened
+        raise OutcomeUnknownError(
+            f"one-phase commit of {tx.gtrid} did not answer in time", gtrid=tx.gtrid
+        )
+    return Outcome.COMMIT_PENDING
 
 
 def _complete(tx: Transaction) -> Outcome:
     if tx.state == TxState.ACTIVE:
         _before_completion(tx)
-    chosen = protocol.plan(len(tx.branches), tx.state == TxState.MARKED_ROLLBACK)
+    with tx._lock:  # the reaper may mark the transaction until it leaves ACTIVE, not after
+        if tx.state == TxState.ACTIVE and tx.timed_out():
+            tx.set_rollback_only("timeout")
+        chosen = protocol.plan(len(tx.branches), tx.state == TxState.MARKED_ROLLBACK)
+        if chosen == Plan.ONE_PHASE:
+            tx.move_to(TxState.COMMITTING)
+            tx.one_phase = True
+        elif chosen == Plan.TWO_PHASE:
+            tx.move_to(TxState.PREPARING)
     if chosen == Plan.ROLLBACK:
-        rollback(tx)
-        raise tx.rolled_back_error("commit refused")
-    if tx.timed_out():
-        tx.set_rollback_only("timeout")
         rollback(tx)
         raise tx.rolled_back_error("commit refused")
     if chosen == Plan.NOTHING:
@@ -141,7 +165,6 @@ def _before_completion(tx: Transaction) -> None:
 
 def _one_phase(tx: Transaction) -> Outcome:
     branch = tx.ordered_branches()[0]
-    tx.move_to(TxState.COMMITTING)
     try:
         branch.resource.commit(branch.xid, one_phase=True)
     except OutcomeUnknownError:
@@ -163,7 +186,6 @@ def _one_phase(tx: Transaction) -> Outcome:
 
 
 def _two_phase(tx: Transaction) -> Outcome:
-    tx.move_to(TxState.PREPARING)
     started = time.perf_counter()
     order = [b.resource.name for b in tx.ordered_branches()]
     votes, error = _phase_one(tx)
@@ -236,7 +258,8 @@ def _vote_from(
 
 
 def _abort(tx: Transaction, names: tuple[str, ...], error: BaseException | None) -> NoReturn:
-    tx.move_to(TxState.ROLLING_BACK)
+    if tx.state != TxState.ROLLING_BACK:
+        tx.move_to(TxState.ROLLING_BACK)
     tx.rollback_reason = tx.rollback_reason or "vote"
     _rollback_branches(tx, list(names))
     _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
@@ -249,32 +272,49 @@ def _abort(tx: Transaction, names: tuple[str, ...], error: BaseException | None)
 
 
 def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
-    """Write the commit point. On failure decide, from what the log says, who may roll back."""
+    """Write the commit point. On failure decide, from what the log says, who may roll back.
+
+    Everything, the write and the state it leads to, happens under ``tx._lock``: a caller
+    timing out meanwhile then sees either no decision (and fences it) or the final state.
+    """
     crash_point("tm.before_decision_write")
     decision = Decision(tx.gtrid, result.commit, tx.wall_deadline, time.time())
     started = time.perf_counter()
-    try:
-        with tx._lock:  # the caller's timeout and the commit point must not interleave
-            if tx.caller_gave_up:
-                raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
-            tx.manager.log.log_commit(decision)
-            tx.move_to(TxState.COMMITTING)
-    except FencedError as exc:
-        tx.rollback_reason = "timeout"
-        _abort(tx, result.commit, exc)
-    except LogWriteError as exc:
-        if exc.durable is False:
-            tx.rollback_reason = "log write failed"
-            _abort(tx, result.commit, exc)
-        tx.manager.log_failed(exc)
+    with tx._lock:
+        failure = _write_decision(tx, decision)
+    if isinstance(failure, LogWriteError) and failure.durable is None:
+        tx.manager.log_failed(failure)
         _finish(tx, TxState.UNKNOWN, None)
         raise OutcomeUnknownError(
             f"the decision for {tx.gtrid} may or may not be on disk; its branches stay prepared "
             "until recovery reads the log after a restart",
             gtrid=tx.gtrid,
-        ) from exc
+        ) from failure
+    if failure is not None:
+        _abort(tx, result.commit, failure)
     tx.manager.metrics.observe("decision", time.perf_counter() - started)
     crash_point("tm.after_decision_fsync")
+
+
+def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None:
+    """Force the record and move to the state it implies; returns why it failed, if it did."""
+    try:
+        if tx.caller_gave_up:
+            raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
+        tx.manager.log.log_commit(decision)
+    except FencedError as exc:
+        tx.rollback_reason = "timeout"
+        tx.move_to(TxState.ROLLING_BACK)
+        return exc
+    except LogWriteError as exc:
+        if exc.durable is None:
+            tx.move_to(TxState.UNKNOWN)
+        else:
+            tx.rollback_reason = "log write failed"
+            tx.move_to(TxState.ROLLING_BACK)
+        return exc
+    tx.move_to(TxState.COMMITTING)
+    return None
 
 
 def _phase_two(tx: Transaction, names: tuple[str, ...]) -> Outcome:
@@ -294,7 +334,7 @@ def _phase_two(tx: Transaction, names: tuple[str, ...]) -> Outcome:
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
-        tx.manager.log.log_end(tx.gtrid)
+        write_end(tx.manager.log, tx.gtrid)
     _finish(tx, TxState.COMMITTED, outcome)
     if outcome.is_heuristic:
         raise _HEURISTIC_ERRORS.get(outcome, HeuristicMixed)(
@@ -322,9 +362,26 @@ def _commit_branch(tx: Transaction, branch: Branch) -> BranchResult:
 
 
 def record_heuristic(log_: DecisionLog, gtrid: str, branch: str, outcome: Outcome) -> None:
-    """Force a heuristic record: the evidence must outlive the process that saw it."""
+    """Force a heuristic record: the evidence must outlive the process that saw it.
+
+    If the log cannot take it, the outcome is still raised to the caller (or reported by
+    recovery) and logged here at CRITICAL, which is all that is left to do.
+    """
     log.error("heuristic outcome %s on branch %s of %s", outcome.value, branch, gtrid)
-    log_.log_heuristic(HeuristicRecord(gtrid, branch, outcome.value, "", time.time()))
+    try:
+        log_.log_heuristic(HeuristicRecord(gtrid, branch, outcome.value, "", time.time()))
+    except LogError as exc:
+        log.critical("heuristic %s of %s/%s NOT recorded: %r", outcome.value, gtrid, branch, exc)
+
+
+def write_end(log_: DecisionLog, gtrid: str) -> bool:
+    """Write END; a failure only means recovery re-drives an already committed transaction."""
+    try:
+        log_.log_end(gtrid)
+    except LogError as exc:
+        log.warning("END of %s not written (%r); recovery will re-drive it", gtrid, exc)
+        return False
+    return True
 
 
 def _rollback_branches(tx: Transaction, names: list[str]) -> None:
@@ -342,7 +399,8 @@ def _rollback_branches(tx: Transaction, names: list[str]) -> None:
 
 
 def _finish(tx: Transaction, state: TxState, outcome: Outcome | None) -> Outcome:
-    tx.move_to(state)
+    if tx.state != state:
+        tx.move_to(state)
     tx.outcome = outcome
     tx.manager.ended(tx)
     for sync in tx.synchronizations:

@@ -12,7 +12,8 @@ class Backoff(Protocol):
 
 
 class ExponentialBackoff:
-    """``base * 2**(failures-1)``, capped, with full jitter so retries of many branches spread."""
+    """``base * 2**(failures-1)``, capped, drawn between half and all of it ("equal jitter"),
+    so retries of many branches spread out yet never come back sooner than half the delay."""
 
     def __init__(self, base: float = 0.5, cap: float = 60.0, jitter: bool = True) -> None:
         self.base, self.cap, self.jitter = base, cap, jitter

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +23,7 @@ from .errors import (
     LogWriteError,
     NoTransactionError,
     OutcomeUnknownError,
+    ProgrammingError,
     TransientError,
 )
 from .metrics import Metrics
@@ -37,6 +39,16 @@ _UNSET: Any = object()
 
 #: the transaction of the current thread or task (contextvars follow asyncio tasks too)
 _current: ContextVar[Transaction | None] = ContextVar("twopc_current_transaction", default=None)
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ProgrammingError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ProgrammingError(f"timeout must be finite and positive, not {timeout!r}")
+    return float(timeout)
 
 
 def current() -> Transaction | None:
@@ -156,9 +168,12 @@ class TransactionManager:
         self._check_open()
         if _current.get() is not None and not _current.get().state.is_final:  # type: ignore[union-attr]
             raise IllegalStateError("a transaction is already active in this context")
-        gtrid = self._new_gtrid(gtrid_suffix)
-        tx = Transaction(self, gtrid, self.default_timeout if timeout is _UNSET else timeout)
+        timeout = _check_timeout(self.default_timeout if timeout is _UNSET else timeout)
+        # One acquisition for the gtrid and the in-flight entry: a recovery snapshot taken
+        # between the two would count the sequence number but miss the transaction.
         with self._lock:
+            gtrid = self._new_gtrid(gtrid_suffix)
+            tx = Transaction(self, gtrid, timeout)
             self._in_flight[gtrid] = tx
         _current.set(tx)
         self.metrics.incr("begun")
@@ -225,13 +240,13 @@ class TransactionManager:
         return False
 
     def _new_gtrid(self, suffix: str | None) -> str:
+        """Called with ``_lock`` held."""
         if suffix is None:
             return self._gtrids.next()[0]
         gtrid = custom_gtrid(self.node_id, suffix)
-        with self._lock:
-            if gtrid in self._in_flight:
-                raise IllegalStateError(f"gtrid {gtrid} is already in flight")
-            self._custom_since_snapshot.add(gtrid)
+        if gtrid in self._in_flight:
+            raise IllegalStateError(f"gtrid {gtrid} is already in flight")
+        self._custom_since_snapshot.add(gtrid)
         return gtrid
 
     # -- called by transactions ------------------------------------------------------------------

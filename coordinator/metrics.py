@@ -85,6 +85,8 @@ class Metrics:
             for name, value in sorted(self.counters.items()):
                 metric = f"{prefix}_{name.replace('-', '_')}_total"
                 lines += [f"# TYPE {metric} counter", f"{metric} {value}"]
+            if self.phases:
+                lines.append(f"# TYPE {prefix}_phase_seconds histogram")
             for phase, h in sorted(self.phases.items()):
                 metric = f"{prefix}_phase_seconds"
                 cumulative = 0

@@ -76,7 +76,8 @@ class BranchResult(enum.Enum):
 _HEURISTIC_OF = {
     # a commit that reports the branch rolled back was overruled: a heuristic, not success
     Outcome.ROLLED_BACK: BranchResult.HEURISTIC_ROLLBACK,
-    Outcome.HEURISTIC_COMMIT: BranchResult.HEURISTIC_COMMIT,
+    # "committed by someone else" is what we decided anyway: nothing against the decision
+    Outcome.HEURISTIC_COMMIT: BranchResult.DONE,
     Outcome.HEURISTIC_ROLLBACK: BranchResult.HEURISTIC_ROLLBACK,
     Outcome.HEURISTIC_HAZARD: BranchResult.HEURISTIC_HAZARD,
     Outcome.HEURISTIC_MIXED: BranchResult.HEURISTIC_HAZARD,

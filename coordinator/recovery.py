@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import protocol
-from ._completion import record_heuristic
+from ._completion import record_heuristic, write_end
 from .backoff import Backoff
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog
@@ -125,7 +125,7 @@ class Recovery:
         # prepared (holding locks) until a dead server comes back. END only once all answered.
         answered = [self._commit_branch(decision.gtrid, n, report) for n in decision.branches]
         if all(answered):
-            self.log.log_end(decision.gtrid)
+            write_end(self.log, decision.gtrid)
             self.retries.succeeded(decision.gtrid)
             report.committed.append(decision.gtrid)
             self.metrics.incr("recovered_commits")
@@ -156,11 +156,16 @@ class Recovery:
         report: RecoveryReport,
         force: bool,
     ) -> None:
+        key = f"recover:{resource.name}"
+        if not (force or self.retries.is_due(key)):
+            report.deferred += 1
+            return
         try:
             prepared = resource.recover()
         except Exception as exc:
-            self._failed(f"recover:{resource.name}", exc, report)
+            self._failed(key, exc, report)
             return
+        self.retries.succeeded(key)
         for xid in prepared:
             action = protocol.recovery_action(
                 ours=xid.belongs_to(self.node_id) and xid.bqual == resource.name,

@@ -76,6 +76,8 @@ class Transaction:
         self.synchronizations: list[Synchronization] = []
         #: set when the caller stopped waiting before the commit point: no decision may follow
         self.caller_gave_up = False
+        #: committed without a decision record: a late answer is unknown, not pending
+        self.one_phase = False
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:

@@ -110,7 +110,8 @@ class LedgerResource:
         return [Xid.from_gid(p.stem) for p in (self.dir / "prepared").glob("*.json")]
 
     def forget(self, xid: Xid) -> None:
-        (self.dir / "done" / f"{xid.gtrid}.rolled-back").unlink(missing_ok=True)
+        """Nothing to drop: the rolled-back tombstone is the fence against a late prepare and
+        stays, like every gid, used once."""
 
     # -- files --------------------------------------------------------------------------------
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import base64
 import builtins
+import functools
 import inspect
 import pickle
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,35 +36,16 @@ from coordinator import (
     TxState,
     Xid,
 )
-from coordinator.decision_log import DecisionLog
 from coordinator.xid import custom_gtrid, validate_node_id, validate_resource_name
 from tests.support.file_resource import COMMITTED, ROLLED_BACK, FileResource
 from tests.support.flaky_resource import FlakyResource
+from tests.support.managers import make_manager
 
 INJECTION = "'); DROP TABLE x; --"
 GID_SHAPE = re.compile(r"[0-9]+_[A-Za-z0-9+/=]+_[A-Za-z0-9+/=]+")
 
 
-@pytest.fixture
-def managers() -> Iterator[list[TransactionManager]]:
-    made: list[TransactionManager] = []
-    yield made
-    for tm in made:
-        tm.close()
-
-
-def manager(
-    made: list[TransactionManager],
-    resources: list[Any],
-    log: DecisionLog | None = None,
-    node_id: str = "bad-1",
-    **options: Any,
-) -> TransactionManager:
-    options.setdefault("recovery_interval", None)
-    options.setdefault("reaper_interval", None)
-    tm = TransactionManager(node_id, log or MemoryDecisionLog(), resources, **options)
-    made.append(tm)
-    return tm
+manager = functools.partial(make_manager, node_id="bad-1")
 
 
 # -- invalid_xid_refused -------------------------------------------------------------------------

@@ -27,35 +27,12 @@ from coordinator.decision_log import (
 from coordinator.decision_log._file import decode, encode
 from coordinator.decision_log._memory import End, Forget
 from coordinator.errors import FencedError, LogCorruptionError, LogWriteError
-from coordinator.journal import Journal, OsFileOps
+from coordinator.journal import Journal
+from tests.support.faulty_ops import FaultyOps
+from tests.support.threads import run_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 Factory = Callable[[], DecisionLog]
-
-
-class FaultyOps(OsFileOps):
-    """Real I/O that fails once, on demand."""
-
-    def __init__(self) -> None:
-        self.write_errno: int | None = None
-        self.fsync_errno: int | None = None
-        self.fsync_delay = 0.0
-        self.fail_new_files = False
-
-    def write(self, fd: int, data: bytes, offset: int) -> None:
-        if self.fail_new_files and offset == 0:  # only a new file is written at offset 0
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        if self.write_errno is not None:
-            err, self.write_errno = self.write_errno, None
-            raise OSError(err, os.strerror(err))
-        super().write(fd, data, offset)
-
-    def fsync(self, fd: int) -> None:
-        if self.fsync_errno is not None:
-            err, self.fsync_errno = self.fsync_errno, None
-            raise OSError(err, os.strerror(err))
-        time.sleep(self.fsync_delay)
-        super().fsync(fd)
 
 
 def commit(gtrid: str, *branches: str, deadline: float | None = None) -> Decision:
@@ -216,11 +193,7 @@ def test_group_commit_concurrent_decisions_share_fsyncs(tmp_path: Path) -> None:
         for i in range(per_thread):
             log.log_commit(commit(f"g{n}-{i}"))
 
-    workers = [threading.Thread(target=writer, args=(n,)) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    run_threads(threading.Thread(target=writer, args=(n,)) for n in range(threads))
     stats = log.stats()
     log.close()
     assert stats.forced_records == threads * per_thread
@@ -259,11 +232,7 @@ def test_concurrent_writers_across_rollovers_lose_nothing(tmp_path: Path) -> Non
             if i % 3:
                 log.log_end(f"g{n}-{i}")
 
-    workers = [threading.Thread(target=writer, args=(n,)) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    run_threads(threading.Thread(target=writer, args=(n,)) for n in range(threads))
     assert log.stats().extra["rollovers"] > 2
     log.close()
     expected = {f"g{n}-{i}" for n in range(threads) for i in range(0, per_thread, 3)}

@@ -20,44 +20,16 @@ from pathlib import Path
 import pytest
 
 from coordinator.errors import LogCorruptionError, LogLockedError, LogWriteError
-from coordinator.journal import Journal, OsFileOps, SegmentHeader
+from coordinator.journal import Journal, SegmentHeader
 from coordinator.journal._framing import FRAME_HEADER_SIZE, encode_frame
 from coordinator.journal._segment import current_contents, segment_name
+from tests.support.faulty_ops import FaultyOps
+from tests.support.threads import run_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-class FaultyOps(OsFileOps):
-    """Real I/O that fails once, on demand, the way a full or dying disk does."""
-
-    def __init__(self) -> None:
-        self.write_errno: int | None = None
-        self.write_partial = 0
-        self.fsync_errno: int | None = None
-        self.truncate_errno: int | None = None
-        self.fsync_delay = 0.0
-
-    def write(self, fd: int, data: bytes, offset: int) -> None:
-        if self.write_errno is not None:
-            err, self.write_errno = self.write_errno, None
-            super().write(fd, data[: self.write_partial], offset)
-            raise OSError(err, os.strerror(err))
-        super().write(fd, data, offset)
-
-    def fsync(self, fd: int) -> None:
-        if self.fsync_errno is not None:
-            err, self.fsync_errno = self.fsync_errno, None
-            raise OSError(err, os.strerror(err))
-        time.sleep(self.fsync_delay)
-        super().fsync(fd)
-
-    def truncate(self, fd: int, length: int) -> None:
-        if self.truncate_errno is not None:
-            raise OSError(self.truncate_errno, os.strerror(self.truncate_errno))
-        super().truncate(fd, length)
 
 
 def seg(directory: Path, seq: int) -> Path:
@@ -141,11 +113,7 @@ def test_group_commit_batches_concurrent_forced_records(tmp_path: Path) -> None:
         for i in range(per_thread):
             journal.append(f"{n}-{i}".encode())
 
-    workers = [threading.Thread(target=writer, args=(n,)) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    run_threads(threading.Thread(target=writer, args=(n,)) for n in range(threads))
     stats = journal.stats()
     journal.close()
     assert stats.forced_records == threads * per_thread
@@ -163,10 +131,7 @@ def test_without_group_commit_every_forced_record_gets_its_own_fsync(tmp_path: P
     journal = Journal(tmp_path, group_commit=False)
     workers = [threading.Thread(target=lambda: [journal.append(b"r") for _ in range(5)])]
     workers += [threading.Thread(target=lambda: [journal.append(b"s") for _ in range(5)])]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    run_threads(workers)
     stats = journal.stats()
     journal.close()
     assert stats.batches == stats.fsyncs == stats.forced_records == 10

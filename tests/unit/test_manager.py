@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from coordinator.backoff import NoBackoff
 from coordinator.decision_log import DecisionLog
 from tests.support.file_resource import COMMITTED, ROLLED_BACK, FileResource
 from tests.support.flaky_resource import FlakyResource
+from tests.support.managers import make_manager
 
 
 class RecordingLog(MemoryDecisionLog):
@@ -56,14 +56,6 @@ class RecordingLog(MemoryDecisionLog):
 
 
 @pytest.fixture
-def managers() -> Iterator[list[TransactionManager]]:
-    made: list[TransactionManager] = []
-    yield made
-    for tm in made:
-        tm.close()
-
-
-@pytest.fixture
 def abc(tmp_path: Path) -> tuple[FileResource, FileResource, FileResource]:
     a, b, c = (FileResource(name, tmp_path / name) for name in "abc")
     return a, b, c
@@ -73,15 +65,11 @@ def manager(
     made: list[TransactionManager],
     resources: list[Any],
     log: DecisionLog | None = None,
-    node_id: str = "node-1",
     **options: Any,
 ) -> TransactionManager:
-    options.setdefault("recovery_interval", None)
-    options.setdefault("reaper_interval", None)
+    """`make_manager` as node-1, retrying without a pause unless a test names a backoff."""
     options.setdefault("backoff", NoBackoff())
-    tm = TransactionManager(node_id, log or MemoryDecisionLog(), resources, **options)
-    made.append(tm)
-    return tm
+    return make_manager(made, resources, log, node_id="node-1", **options)
 
 
 def transfer(tx: Transaction, a: Any, b: Any, c: Any) -> None:
@@ -92,6 +80,18 @@ def transfer(tx: Transaction, a: Any, b: Any, c: Any) -> None:
 
 def outcomes(gtrid: str, *resources: FileResource) -> list[str]:
     return [r.state().outcome(gtrid) for r in resources]
+
+
+def decided_and_died(gtrid: str, resources: tuple[FileResource, ...]) -> MemoryDecisionLog:
+    """A coordinator that died just after deciding: every branch of ``gtrid`` (``n`` += 1) is
+    prepared, and the returned log holds its COMMIT decision over all of them, with no END."""
+    log = MemoryDecisionLog()
+    for r in resources:
+        xid = Xid.branch_of(gtrid, r.name)
+        r.start(xid).add("n", 1)
+        r.prepare(xid)
+    log.log_commit(Decision(gtrid, tuple(r.name for r in resources)))
+    return log
 
 
 # -- completion paths ----------------------------------------------------------------------------
@@ -412,13 +412,8 @@ def test_recovery_records_a_heuristic_it_meets(
     abc: tuple[FileResource, ...], managers: list[TransactionManager]
 ) -> None:
     a, b, c = abc
-    log = MemoryDecisionLog()
     gtrid = "node-1:oldinc-7"
-    for r in abc:
-        xid = Xid.branch_of(gtrid, r.name)
-        r.start(xid).add("n", 1)
-        r.prepare(xid)
-    log.log_commit(Decision(gtrid, ("a", "b", "c")))  # decided, then the process died
+    log = decided_and_died(gtrid, abc)
     b.operator_rollback(Xid.branch_of(gtrid, "b"))
     tm = manager(managers, list(abc), log)  # start-up recovery re-drives the decision
     assert outcomes(gtrid, a, b, c) == [COMMITTED, ROLLED_BACK, COMMITTED]
@@ -542,13 +537,8 @@ def test_recovery_commits_the_reachable_branches_of_a_decision(
     abc: tuple[FileResource, ...], managers: list[TransactionManager]
 ) -> None:
     a, b, c = abc
-    log = MemoryDecisionLog()
     gtrid = "node-1:oldinc-9"
-    for r in abc:
-        xid = Xid.branch_of(gtrid, r.name)
-        r.start(xid).add("n", 1)
-        r.prepare(xid)
-    log.log_commit(Decision(gtrid, ("a", "b", "c")))
+    log = decided_and_died(gtrid, abc)
     down_a = FlakyResource(a, fail_on={"commit"})
     tm = manager(managers, [down_a, b, c], log, recover_on_start=False)
     report = tm.recover()

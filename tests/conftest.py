@@ -1,0 +1,18 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator import TransactionManager
+
+
+@pytest.fixture
+def managers() -> Iterator[list[TransactionManager]]:
+    """A list for `tests.support.managers.make_manager`; every manager in it is closed after."""
+    made: list[TransactionManager] = []
+    yield made
+    for tm in made:
+        tm.close()
