@@ -116,6 +116,8 @@ def _late(tx: Transaction, state: TxState) -> Outcome:
 
 
 def _complete(tx: Transaction) -> Outcome:
+    if tx.reaped:  # the reaper rolled it back (or is doing so) while its owner was away
+        raise tx.rolled_back_error("commit refused: abandoned past its timeout, rolled back")
     if tx.state == TxState.ACTIVE:
         _before_completion(tx)
     with tx._lock:  # the reaper may mark the transaction until it leaves ACTIVE, not after

@@ -61,4 +61,5 @@ def reap(manager: TransactionManager, abandon_after: float) -> None:
         elif tx.state == TxState.MARKED_ROLLBACK and now >= tx.deadline + abandon_after:
             log.warning("transaction %s abandoned by its owner; rolling it back", tx.gtrid)
             manager.metrics.incr("abandoned")
+            tx.reaped = True  # before the rollback, so the owner can never see it unflagged
             tx.rollback()

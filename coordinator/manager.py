@@ -190,6 +190,8 @@ class TransactionManager:
                 tx.rollback()
             raise
         else:
+            if tx.reaped:  # never let a block the reaper rolled back exit as if committed
+                raise tx.rolled_back_error("transaction rolled back by the reaper")
             if not tx.state.is_final:
                 tx.commit()
         finally:

@@ -78,6 +78,8 @@ class Transaction:
         self.caller_gave_up = False
         #: committed without a decision record: a late answer is unknown, not pending
         self.one_phase = False
+        #: rolled back by the reaper behind its owner's back: the owner must hear so, not commit
+        self.reaped = False
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -152,6 +154,8 @@ class Transaction:
         return left is not None and left <= 0
 
     def _check_alive(self, action: str) -> None:
+        if self.reaped:
+            raise self.rolled_back_error(f"cannot {action}: the reaper rolled it back")
         if self.state == TxState.MARKED_ROLLBACK:
             raise self.rolled_back_error(f"cannot {action}: transaction is marked rollback-only")
         require(self.state, TxState.ACTIVE, action=action)
