@@ -166,7 +166,8 @@ class TransactionManager:
     ) -> Transaction:
         """Start a transaction and make it the current one of this thread or task."""
         self._check_open()
-        if _current.get() is not None and not _current.get().state.is_final:  # type: ignore[union-attr]
+        active = _current.get()
+        if active is not None and not active.state.is_final:
             raise IllegalStateError("a transaction is already active in this context")
         timeout = _check_timeout(self.default_timeout if timeout is _UNSET else timeout)
         # One acquisition for the gtrid and the in-flight entry: a recovery snapshot taken
