@@ -355,11 +355,17 @@ def _commit_branch(tx: Transaction, branch: Branch) -> BranchResult:
         log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
         tx.manager.metrics.incr("commit_unreachable")
         return BranchResult.UNREACHABLE
+    return judge_commit(tx.manager.log, branch.xid.gtrid, branch.resource.name, reported)
+
+
+def judge_commit(
+    log_: DecisionLog, gtrid: str, branch: str, reported: Outcome | None
+) -> BranchResult:
+    """Map a commit's answer to a phase-two result, forcing a heuristic record if it went
+    against the decision. Phase two and recovery both judge commits through here."""
     result = protocol.branch_result(reported)
     if result != BranchResult.DONE:
-        record_heuristic(
-            tx.manager.log, branch.xid.gtrid, branch.resource.name, Outcome(result.value)
-        )
+        record_heuristic(log_, gtrid, branch, Outcome(result.value))
     return result
 
 

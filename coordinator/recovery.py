@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import protocol
-from ._completion import record_heuristic, write_end
+from ._completion import judge_commit, record_heuristic, write_end
 from .backoff import Backoff
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog
@@ -140,9 +140,8 @@ class Recovery:
         except Exception as exc:
             return self._failed(gtrid, exc, report)
         self._resolved_one()
-        result = protocol.branch_result(reported)
+        result = judge_commit(self.log, gtrid, name, reported)
         if result != BranchResult.DONE:
-            record_heuristic(self.log, gtrid, name, Outcome(result.value))
             report.heuristics.append(f"{xid}: {result.value}")
         return True
 
