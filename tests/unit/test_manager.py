@@ -325,6 +325,25 @@ def test_parallel_mode_prepares_every_branch_at_once(
     assert outcomes(tx.gtrid, *abc) == [COMMITTED] * 3
 
 
+def test_parallel_mode_commits_every_branch_at_once(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    # Each commit waits at a barrier for the other two: only concurrent commits get through.
+    barrier = threading.Barrier(3, timeout=5)
+
+    def meet(xid: Xid) -> None:
+        barrier.wait()
+
+    wrapped = [FlakyResource(r, before={"commit": meet}) for r in abc]
+    tm = manager(managers, wrapped, parallel=True)
+    with tm.transaction() as tx:
+        for r in wrapped:
+            tx.join(r).add("n", 1)
+    assert tx.outcome == Outcome.COMMITTED
+    assert outcomes(tx.gtrid, *abc) == [COMMITTED] * 3
+    assert tm.log.pending() == []  # END written: every branch answered
+
+
 def test_parallel_mode_rolls_back_on_one_no(
     abc: tuple[FileResource, ...], managers: list[TransactionManager]
 ) -> None:
