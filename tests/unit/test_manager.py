@@ -307,34 +307,17 @@ def test_run_does_not_retry_ordinary_errors(managers: list[TransactionManager]) 
 # -- parallel prepare ----------------------------------------------------------------------------
 
 
-def test_parallel_mode_prepares_every_branch_at_once(
-    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+@pytest.mark.parametrize("phase", ["prepare", "commit"])
+def test_parallel_mode_runs_each_phase_on_every_branch_at_once(
+    phase: str, abc: tuple[FileResource, ...], managers: list[TransactionManager]
 ) -> None:
-    # Each prepare waits at a barrier for the other two: only concurrent prepares get through.
+    # Each call waits at a barrier for the other two: only concurrent calls get through.
     barrier = threading.Barrier(3, timeout=5)
 
     def meet(xid: Xid) -> None:
         barrier.wait()
 
-    wrapped = [FlakyResource(r, before={"prepare": meet}) for r in abc]
-    tm = manager(managers, wrapped, parallel=True)
-    with tm.transaction() as tx:
-        for r in wrapped:
-            tx.join(r).add("n", 1)
-    assert tx.outcome == Outcome.COMMITTED
-    assert outcomes(tx.gtrid, *abc) == [COMMITTED] * 3
-
-
-def test_parallel_mode_commits_every_branch_at_once(
-    abc: tuple[FileResource, ...], managers: list[TransactionManager]
-) -> None:
-    # Each commit waits at a barrier for the other two: only concurrent commits get through.
-    barrier = threading.Barrier(3, timeout=5)
-
-    def meet(xid: Xid) -> None:
-        barrier.wait()
-
-    wrapped = [FlakyResource(r, before={"commit": meet}) for r in abc]
+    wrapped = [FlakyResource(r, before={phase: meet}) for r in abc]
     tm = manager(managers, wrapped, parallel=True)
     with tm.transaction() as tx:
         for r in wrapped:
