@@ -304,7 +304,7 @@ def test_run_does_not_retry_ordinary_errors(managers: list[TransactionManager]) 
     assert calls == [1]
 
 
-# -- parallel prepare ----------------------------------------------------------------------------
+# -- parallel prepare and commit -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("phase", ["prepare", "commit"])
