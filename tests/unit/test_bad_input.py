@@ -217,19 +217,6 @@ def test_commit_with_a_down_resource_rolls_back(
     assert not report.clean
 
 
-def test_one_phase_commit_failure_rolls_back(
-    tmp_path: Path, managers: list[TransactionManager]
-) -> None:
-    flaky = FlakyResource(FileResource("only", tmp_path / "only"))
-    tm = manager(managers, [flaky])
-    tx = tm.begin()
-    tx.join(flaky).set("k", "v")
-    flaky.fail_on.add("commit")
-    with pytest.raises(TransactionRolledBack):
-        tx.commit()
-    assert tx.state == TxState.ROLLED_BACK
-
-
 def test_unreachable_rollback_is_finished_by_presumed_abort(
     tmp_path: Path, managers: list[TransactionManager]
 ) -> None:

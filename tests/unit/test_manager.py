@@ -558,4 +558,5 @@ def test_failed_one_phase_commit_rolls_the_branch_back(
     flaky.fail_on.add("commit")
     with pytest.raises(TransactionRolledBack):
         tx.commit()
+    assert tx.state == TxState.ROLLED_BACK
     assert flaky.calls["rollback"] == 1
