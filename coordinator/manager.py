@@ -155,6 +155,12 @@ class TransactionManager:
             if known is not None and known is not resource:
                 raise ConfigurationError(f"two different resources are named {name!r}")
             self._resources[name] = resource
+        gauges = getattr(resource, "gauges", None)
+        if callable(gauges):
+            # optional: a resource may export its own gauges (PostgreSQL: prepared count and age)
+            prefix = "resource_" + "".join(c if c.isalnum() else "_" for c in name)
+            for key, read in gauges().items():
+                self.metrics.gauges[f"{prefix}_{key}"] = read
 
     def resource(self, name: str) -> Resource:
         return self._resources[name]

@@ -181,6 +181,9 @@ class Recovery:
 
     def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> None:
         try:
+            # Presumed abort is a decision too: once another process owns our node (a lease taken
+            # over), the branch may be its in-flight transaction, so a fenced log stops us here.
+            self.log.check_owner()
             reported = resource.rollback(xid)
         except Exception as exc:
             self._failed(xid.to_gid(), exc, report)

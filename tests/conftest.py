@@ -8,6 +8,9 @@ import pytest
 
 from coordinator import TransactionManager
 
+#: real PostgreSQL and Redis servers: pg_server, pg_url, make_pg_database, private_pg, redis_*
+pytest_plugins = ["tests.support.servers"]
+
 
 @pytest.fixture
 def managers() -> Iterator[list[TransactionManager]]:

@@ -72,6 +72,9 @@ class DecisionLog(Protocol):
     - ``pending`` and ``heuristics`` reflect every record written by this or any earlier process
       on this log, whatever it was killed in the middle of.
     - Writing the same COMMIT or END twice is harmless (recovery may repeat itself).
+    - ``check_owner`` raises `FencedError` once this process may no longer decide for its node
+      (the SQL log's lease was taken over). Recovery asks before every presumed abort: a fenced
+      coordinator must not roll back branches that now belong to the node's new owner.
     """
 
     def log_commit(self, decision: Decision) -> None: ...
@@ -87,5 +90,7 @@ class DecisionLog(Protocol):
     def heuristics(self) -> list[HeuristicRecord]: ...
 
     def stats(self) -> LogStats: ...
+
+    def check_owner(self) -> None: ...
 
     def close(self) -> None: ...

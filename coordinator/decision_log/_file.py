@@ -214,6 +214,9 @@ class FileDecisionLog:
         }
         return LogStats(j.forced_records, j.lazy_records, j.fsyncs, j.bytes_written, extra)
 
+    def check_owner(self) -> None:
+        """Never fenced: the directory lock is held for as long as the log is open."""
+
     def close(self) -> None:
         """Write any lazy END records, fsync, and release the directory lock. Idempotent."""
         self._journal.close()

@@ -128,6 +128,9 @@ class MemoryDecisionLog:
         with self._lock:
             return LogStats(forced_records=self._forced, lazy_records=self._lazy)
 
+    def check_owner(self) -> None:
+        """Never fenced: a memory log belongs to its process."""
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

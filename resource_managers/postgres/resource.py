@@ -1,0 +1,579 @@
+"""`PostgresResource`: a PostgreSQL database as a two-phase-commit participant.
+
+A branch is one pooled connection in an ordinary transaction; ``tx.join(pg)`` hands the
+application a SQLAlchemy `Session` on it. ``prepare`` turns that transaction into a prepared one
+with ``PREPARE TRANSACTION``, after which it belongs to the server, not to the session, so the
+connection goes straight back to the pool and phase two runs ``COMMIT PREPARED`` on whichever
+connection the pool gives. Three things here are not what a first attempt would do:
+
+- **Our own BEGIN.** The connection runs in autocommit mode and we send ``BEGIN`` ourselves, so
+  psycopg2 never believes it owns a transaction: after ``PREPARE TRANSACTION`` it would otherwise
+  keep sending statements without a BEGIN (autocommitting them) until someone called rollback.
+  Every statement of the branch, whatever path it took, runs inside our transaction.
+- **We check that PREPARE prepared.** A transaction that failed earlier answers ``PREPARE
+  TRANSACTION`` with the command tag ``ROLLBACK`` and no error (psycopg2 #1213): a yes vote that
+  would turn into a phase-two failure. We require the tag, and refuse earlier when the
+  transaction is already in error, with the error the server gave then.
+- **An outcome marker.** ``COMMIT PREPARED`` of a gid that does not exist cannot say whether it
+  was committed (our earlier commit whose answer was lost) or rolled back by an operator. Each
+  prepared branch therefore inserts its gid into a small table *inside* the branch, sent in the
+  same round trip as the PREPARE: the row exists exactly when the branch committed. So a repeated
+  commit is recognised as done, and an operator's ``ROLLBACK PREPARED`` is reported as the
+  heuristic outcome it is instead of being hidden. Rows older than ``marker_retention`` are
+  purged by recovery passes; a decision re-driven after that long is reported as a heuristic
+  rollback, loudly, never silently taken for committed.
+
+One-phase commits (this database is the only participant) skip all of it: no marker, no prepare,
+just ``COMMIT`` with its tag checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg2.extensions as ext
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from coordinator import (
+    FORMAT_ID,
+    ConfigurationError,
+    InvalidXidError,
+    Outcome,
+    OutcomeUnknownError,
+    ProgrammingError,
+    TransactionRolledBack,
+    TransientError,
+    Vote,
+    Xid,
+)
+from coordinator.crashpoints import crash_point
+
+from . import _errors
+
+log = logging.getLogger("twopc.postgres")
+
+_ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
+_READ_ONLY_STATEMENT = re.compile(r"\s*(SELECT|SHOW|VALUES|TABLE)\b", re.IGNORECASE)
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+class BranchFailed(TransactionRolledBack):
+    """The branch's own work failed, so it votes no; the message carries the server's error."""
+
+    code = "postgres-branch-failed"
+    reason = "vote"
+
+
+class NotPreparable(ProgrammingError):
+    """The branch did something PostgreSQL cannot prepare (temporary tables, LISTEN, WITH HOLD)."""
+
+    code = "postgres-not-preparable"
+
+
+@dataclass
+class _Branch:
+    """One transaction's work on this database, until it is prepared or ended."""
+
+    xid: Xid
+    gid: str
+    connection: Connection
+    session: Session
+    statements: int = 0
+    may_write: bool = False
+    failure: str | None = None  # why the branch must vote no, as the server said it
+    prepare_sent: bool = field(default=False)
+
+
+@dataclass(frozen=True)
+class _ServerFacts:
+    database: str
+    role: str
+    max_prepared: int
+    marker_table: str | None  # schema-qualified and quoted, or None without markers
+
+
+class PostgresResource:
+    """A PostgreSQL database (SQLAlchemy engine on psycopg2) as an XA-style resource manager.
+
+    ``name`` is the branch qualifier written into every gid and the decision log: keep it stable
+    and unique per database within a manager (default ``pg-<database>``). ``session_factory``
+    makes the `Session` a branch hands out (default ``Session(bind=connection)``).
+    ``isolation_level`` sets the branch transaction's level (default: the server's).
+    ``outcome_markers=False`` drops the marker table and with it the ability to tell an
+    operator's rollback from an earlier commit (an unknown gid is then taken as committed).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str | None = None,
+        *,
+        sort_key: str | None = None,
+        session_factory: Callable[[Connection], Session] | None = None,
+        isolation_level: str | None = None,
+        outcome_markers: bool = True,
+        marker_table: str = "twopc_outcome",
+        marker_retention: float = 7 * 24 * 3600.0,
+        busy_retries: int = 20,
+        busy_delay: float = 0.05,
+    ) -> None:
+        if engine.dialect.driver != "psycopg2":
+            raise ConfigurationError(
+                f"PostgresResource needs a postgresql+psycopg2 engine, not {engine.url.drivername}"
+            )
+        if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
+            raise ConfigurationError(f"isolation_level must be one of {_ISOLATION_LEVELS}")
+        if not _IDENTIFIER.match(marker_table):
+            raise ConfigurationError(f"marker_table {marker_table!r} is not a plain identifier")
+        self.engine = engine
+        self._name = name or _default_name(engine)
+        self._sort_key = sort_key or self._name
+        self._session_factory = session_factory or (lambda conn: Session(bind=conn))
+        self._begin = "BEGIN"
+        if isolation_level is not None:
+            self._begin += f" ISOLATION LEVEL {isolation_level.upper()}"
+        self._markers = outcome_markers
+        self._marker_name = marker_table
+        self._marker_retention = marker_retention
+        self._busy_retries = busy_retries
+        self._busy_delay = busy_delay
+        self._lock = threading.Lock()
+        self._branches: dict[Xid, _Branch] = {}
+        self._by_connection: dict[Connection, _Branch] = {}
+        self._facts: _ServerFacts | None = None
+        self._last_purge = 0.0
+        event.listen(engine, "before_cursor_execute", self._on_statement)
+        event.listen(engine, "handle_error", self._on_error)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sort_key(self) -> str:
+        return self._sort_key
+
+    def __repr__(self) -> str:
+        return f"PostgresResource({self._name!r}, {self.engine.url.render_as_string()!r})"
+
+    # -- phase zero: the branch's work -----------------------------------------------------------
+
+    def start(self, xid: Xid) -> Session:
+        facts = self._server_facts()
+        if facts.max_prepared <= 0:
+            raise ConfigurationError(
+                f"{self._name}: the server has max_prepared_transactions = 0, so it cannot take "
+                "part in two-phase commit; set max_prepared_transactions (at least "
+                "max_connections) in postgresql.conf and restart PostgreSQL"
+            )
+        try:
+            connection = self.engine.connect()
+        except Exception as exc:
+            raise TransientError(
+                f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
+            ) from exc
+        try:
+            _autocommit(connection, True)
+            self._raw(connection, self._begin)
+            branch = _Branch(xid, xid.to_gid(), connection, self._session_factory(connection))
+        except Exception as exc:
+            connection.invalidate()
+            connection.close()
+            raise TransientError(
+                f"{self._name}: cannot open a branch: {_errors.describe(exc)}"
+            ) from exc
+        event.listen(branch.session, "after_soft_rollback", self._on_session_rollback)
+        with self._lock:
+            self._branches[xid] = branch
+            self._by_connection[connection] = branch
+        return branch.session
+
+    def _on_statement(self, conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
+        branch = self._by_connection.get(conn)
+        if branch is not None:
+            branch.statements += 1
+            if not _READ_ONLY_STATEMENT.match(statement):
+                branch.may_write = True
+
+    def _on_error(self, context: Any) -> None:
+        branch = self._by_connection.get(context.connection)
+        if branch is not None and branch.failure is None:
+            branch.failure = _errors.describe(context.original_exception)
+
+    def _on_session_rollback(self, session: Session, previous: Any) -> None:
+        # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode
+        # as far as SQLAlchemy knows), so a rollback of the session dooms the branch instead.
+        with self._lock:
+            for branch in self._branches.values():
+                if branch.session is session and branch.failure is None:
+                    branch.failure = "the session was rolled back"
+
+    # -- phase one ---------------------------------------------------------------------------------
+
+    def prepare(self, xid: Xid) -> Vote:
+        branch = self._branch(xid)
+        try:
+            branch.session.flush()
+        except Exception as exc:
+            self._end_local(branch)
+            raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
+        if branch.failure is None and self._in_error(branch):
+            branch.failure = "a statement failed earlier in the transaction"
+        if branch.failure is not None:
+            self._end_local(branch)
+            raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+        if branch.statements == 0 or (not branch.may_write and not self._has_xid(branch)):
+            self._end_local(branch)
+            return Vote.READ_ONLY
+        self._prepare_on_server(branch)
+        crash_point(f"postgres.{self._name}.after_prepare")
+        return Vote.COMMIT
+
+    def _prepare_on_server(self, branch: _Branch) -> None:
+        facts = self._server_facts()
+        sql, params = "PREPARE TRANSACTION %s", [branch.gid]
+        if facts.marker_table is not None:
+            # one round trip: the marker commits (or not) with the branch, never on its own
+            sql = f"INSERT INTO {facts.marker_table} (gid) VALUES (%s); {sql}"
+            params.insert(0, branch.gid)
+        branch.prepare_sent = True
+        try:
+            tag = self._raw(branch.connection, sql, params)
+        except Exception as exc:
+            if _errors.is_unreachable(exc):
+                # The PREPARE may have landed before the connection died: roll back by gid later.
+                self._discard(branch, broken=True)
+                raise TransientError(
+                    f"{self._name}: connection lost during PREPARE; the branch is rolled back "
+                    f"(now or by recovery): {_errors.describe(exc)}"
+                ) from exc
+            self._end_local(branch)
+            if _errors.is_not_preparable(exc):
+                raise NotPreparable(
+                    f"{self._name}: PostgreSQL cannot prepare this branch: "
+                    f"{_errors.describe(exc)}. A two-phase branch must not use temporary tables, "
+                    "LISTEN/UNLISTEN/NOTIFY or cursors WITH HOLD; do that work outside the "
+                    "transaction"
+                ) from exc
+            raise BranchFailed(
+                f"{self._name}: PREPARE TRANSACTION failed: {_errors.describe(exc)}"
+            ) from exc
+        if tag != "PREPARE TRANSACTION":
+            # e.g. "ROLLBACK": the server threw the transaction away instead of preparing it
+            self._discard(branch, broken=False)
+            raise BranchFailed(
+                f"{self._name}: the server answered PREPARE TRANSACTION with {tag!r}; "
+                "nothing was prepared"
+            )
+        self._discard(branch, broken=False)
+
+    # -- phase two ---------------------------------------------------------------------------------
+
+    def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
+        if one_phase:
+            return self._commit_one_phase(self._branch(xid))
+        with self._lock:
+            stray = self._branches.get(xid)
+        if stray is not None:
+            raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+        try:
+            self._finish_prepared("COMMIT PREPARED", xid)
+        except _UnknownGid:
+            if not self._markers or self._marker_exists(xid):
+                return None  # committed before; the answer was lost
+            return Outcome.HEURISTIC_ROLLBACK
+        return None
+
+    def _commit_one_phase(self, branch: _Branch) -> Outcome | None:
+        try:
+            branch.session.flush()
+        except Exception as exc:
+            self._end_local(branch)
+            raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
+        if branch.failure is not None:
+            self._end_local(branch)
+            raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+        try:
+            tag = self._raw(branch.connection, "COMMIT")
+        except Exception as exc:
+            broken = _errors.is_unreachable(exc)
+            self._discard(branch, broken=True)
+            if broken:
+                raise OutcomeUnknownError(
+                    f"{self._name}: connection lost during a one-phase COMMIT; it may or may not "
+                    f"have committed: {_errors.describe(exc)}",
+                    gtrid=branch.xid.gtrid,
+                ) from exc
+            raise BranchFailed(f"{self._name}: COMMIT failed: {_errors.describe(exc)}") from exc
+        self._discard(branch, broken=False)
+        if tag != "COMMIT":
+            raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
+        return None
+
+    def rollback(self, xid: Xid) -> Outcome | None:
+        with self._lock:
+            branch = self._branches.get(xid)
+        if branch is not None:
+            if not branch.prepare_sent:
+                self._end_local(branch)
+                return None
+            self._discard(branch, broken=True)
+        try:
+            self._finish_prepared("ROLLBACK PREPARED", xid)
+        except _UnknownGid:
+            if self._markers and self._marker_exists(xid):
+                return Outcome.HEURISTIC_COMMIT
+        return None
+
+    def _finish_prepared(self, verb: str, xid: Xid) -> None:
+        """``COMMIT/ROLLBACK PREPARED`` on a pooled connection, retrying while the gid is busy."""
+        gid = xid.to_gid()
+        for attempt in range(self._busy_retries + 1):
+            try:
+                with self._pooled() as connection:
+                    self._raw(connection, f"{verb} %s", [gid])
+                return
+            except Exception as exc:
+                if _errors.is_unknown_gid(exc):
+                    raise _UnknownGid(gid) from exc
+                if _errors.is_busy(exc) and attempt < self._busy_retries:
+                    time.sleep(self._busy_delay)
+                    continue
+                raise TransientError(
+                    f"{self._name}: {verb} of {gid} did not complete, will retry: "
+                    f"{_errors.describe(exc)}"
+                ) from exc
+
+    # -- recovery ----------------------------------------------------------------------------------
+
+    def recover(self) -> list[Xid]:
+        """Our prepared branches in this database, owned by our role, of any age."""
+        with self._pooled() as connection:
+            rows = self._query(
+                connection,
+                "SELECT gid FROM pg_prepared_xacts "
+                "WHERE database = current_database() AND owner = current_user",
+            )
+        found: list[Xid] = []
+        for (gid,) in rows:
+            try:
+                xid = Xid.from_gid(str(gid))
+            except InvalidXidError:
+                continue  # someone else's prepared transaction: not ours to touch
+            if xid.format_id == FORMAT_ID and xid.bqual == self._name:
+                found.append(xid)
+        self._purge_markers()
+        return found
+
+    def forget(self, xid: Xid) -> None:
+        facts = self._server_facts()
+        if facts.marker_table is not None:
+            with self._pooled() as connection:
+                self._raw(
+                    connection, f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()]
+                )
+
+    def prepared_stats(self) -> tuple[int, float]:
+        """(count, age in seconds of the oldest) of this database's prepared transactions.
+
+        Every prepared transaction holds its locks and the VACUUM horizon, ours or not.
+        """
+        with self._pooled() as connection:
+            rows = self._query(
+                connection,
+                "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0) "
+                "FROM pg_prepared_xacts WHERE database = current_database()",
+            )
+        count, age = rows[0]
+        return int(count), float(age)
+
+    def gauges(self) -> dict[str, Callable[[], float]]:
+        """Read by the manager's metrics (`TransactionManager.register`)."""
+        return {
+            "prepared_transactions": lambda: float(self.prepared_stats()[0]),
+            "oldest_prepared_age_seconds": lambda: self.prepared_stats()[1],
+        }
+
+    def _marker_exists(self, xid: Xid) -> bool:
+        facts = self._server_facts()
+        if facts.marker_table is None:
+            return False
+        try:
+            with self._pooled() as connection:
+                rows = self._query(
+                    connection,
+                    f"SELECT 1 FROM {facts.marker_table} WHERE gid = %s",
+                    [xid.to_gid()],
+                )
+        except Exception as exc:
+            raise TransientError(
+                f"{self._name}: cannot read the outcome marker of {xid}: {_errors.describe(exc)}"
+            ) from exc
+        return bool(rows)
+
+    def _purge_markers(self) -> None:
+        facts = self._server_facts()
+        now = time.monotonic()
+        if facts.marker_table is None or now - self._last_purge < 60:
+            return
+        self._last_purge = now
+        with self._pooled() as connection:
+            self._raw(
+                connection,
+                f"DELETE FROM {facts.marker_table} "
+                "WHERE committed_at < now() - make_interval(secs => %s)",
+                [self._marker_retention],
+            )
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _server_facts(self) -> _ServerFacts:
+        """Checked once: the setting that makes 2PC possible, and the marker table."""
+        facts = self._facts
+        if facts is not None:
+            return facts
+        try:
+            with self._pooled() as connection:
+                (database, role, max_prepared, schema), *_ = self._query(
+                    connection,
+                    "SELECT current_database(), current_user, "
+                    "current_setting('max_prepared_transactions')::int, current_schema()",
+                )
+                table = None
+                if self._markers:
+                    table = f'"{schema}"."{self._marker_name}"'
+                    self._create_marker_table(connection, table)
+        except Exception as exc:
+            raise TransientError(
+                f"{self._name}: cannot reach PostgreSQL: {_errors.describe(exc)}"
+            ) from exc
+        facts = _ServerFacts(str(database), str(role), int(max_prepared), table)
+        self._facts = facts
+        return facts
+
+    def _create_marker_table(self, connection: Connection, table: str) -> None:
+        ddl = (
+            f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
+            "committed_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for attempt in range(3):
+            try:
+                self._raw(connection, ddl)
+                return
+            except Exception as exc:
+                # two processes creating it at once: one wins, the other sees a unique violation
+                if attempt == 2 or _errors.is_unreachable(exc):
+                    raise
+
+    def _branch(self, xid: Xid) -> _Branch:
+        with self._lock:
+            branch = self._branches.get(xid)
+        if branch is None:
+            raise ProgrammingError(f"{self._name}: no active branch {xid}")
+        return branch
+
+    def _in_error(self, branch: _Branch) -> bool:
+        dbapi = branch.connection.connection.dbapi_connection
+        status = getattr(getattr(dbapi, "info", None), "transaction_status", None)
+        return bool(status == ext.TRANSACTION_STATUS_INERROR)
+
+    def _has_xid(self, branch: _Branch) -> bool:
+        """Did any statement write? Only asked when every statement looked like a read."""
+        rows = self._query(branch.connection, "SELECT txid_current_if_assigned() IS NOT NULL")
+        return bool(rows[0][0])
+
+    def _end_local(self, branch: _Branch) -> None:
+        """Roll back an unprepared branch and give its connection back."""
+        try:
+            self._raw(branch.connection, "ROLLBACK")
+        except Exception as exc:
+            log.debug("%s: rollback of %s failed: %r", self._name, branch.gid, exc)
+            self._discard(branch, broken=True)
+            return
+        self._discard(branch, broken=False)
+
+    def _discard(self, branch: _Branch, *, broken: bool) -> None:
+        with self._lock:
+            self._branches.pop(branch.xid, None)
+            self._by_connection.pop(branch.connection, None)
+        try:
+            branch.session.close()
+            if broken:
+                branch.connection.invalidate()
+            else:
+                _autocommit(branch.connection, False)
+            branch.connection.close()
+        except Exception as exc:
+            log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
+
+    @contextlib.contextmanager
+    def _pooled(self) -> Iterator[Connection]:
+        """A pooled autocommit connection; one that lost its server is not given back."""
+        try:
+            connection = self.engine.connect()
+            _autocommit(connection, True)
+        except Exception as exc:
+            raise TransientError(
+                f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
+            ) from exc
+        try:
+            yield connection
+            _autocommit(connection, False)
+        except BaseException as exc:
+            if _errors.is_unreachable(exc):
+                connection.invalidate()
+            else:
+                with contextlib.suppress(Exception):
+                    _autocommit(connection, False)
+            raise
+        finally:
+            connection.close()
+
+    @staticmethod
+    def _raw(connection: Connection, sql: str, params: list[Any] | None = None) -> str:
+        """Run ``sql`` on the DBAPI cursor (quoting by psycopg2) and return the command tag."""
+        cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.execute(sql, params)
+            return str(cursor.statusmessage)
+        finally:
+            cursor.close()
+
+    @staticmethod
+    def _query(
+        connection: Connection, sql: str, params: list[Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+        finally:
+            cursor.close()
+
+
+def _autocommit(connection: Connection, on: bool) -> None:
+    """Flip psycopg2's autocommit directly: no round trip, unlike SQLAlchemy's isolation-level
+    option, whose reset on every return to the pool costs a ``SET default_transaction_isolation``.
+    The pool sees the connection exactly as it lent it."""
+    dbapi = connection.connection.dbapi_connection
+    if dbapi is not None and dbapi.autocommit != on:
+        dbapi.autocommit = on
+
+
+class _UnknownGid(Exception):
+    """The prepared transaction does not exist (any more)."""
+
+
+def _default_name(engine: Engine) -> str:
+    database = engine.url.database or "postgres"
+    cleaned = re.sub(r"[^A-Za-z0-9_.:-]", "_", database)
+    return f"pg-{cleaned}"[:64]
