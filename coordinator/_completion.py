@@ -305,7 +305,10 @@ def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None
             raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
         tx.manager.log.log_commit(decision)
     except FencedError as exc:
-        tx.rollback_reason = "timeout"
+        # past the deadline (or the caller left): a timeout; otherwise the log's lease was taken
+        # over and this manager may decide nothing more, which no retry here can change
+        timed_out = tx.caller_gave_up or getattr(exc, "deadline", None) is not None
+        tx.rollback_reason = "timeout" if timed_out else "fenced"
         tx.move_to(TxState.ROLLING_BACK)
         return exc
     except LogWriteError as exc:
@@ -378,7 +381,7 @@ def record_heuristic(log_: DecisionLog, gtrid: str, branch: str, outcome: Outcom
     log.error("heuristic outcome %s on branch %s of %s", outcome.value, branch, gtrid)
     try:
         log_.log_heuristic(HeuristicRecord(gtrid, branch, outcome.value, "", time.time()))
-    except LogError as exc:
+    except (LogError, FencedError) as exc:
         log.critical("heuristic %s of %s/%s NOT recorded: %r", outcome.value, gtrid, branch, exc)
 
 
@@ -386,7 +389,7 @@ def write_end(log_: DecisionLog, gtrid: str) -> bool:
     """Write END; a failure only means recovery re-drives an already committed transaction."""
     try:
         log_.log_end(gtrid)
-    except LogError as exc:
+    except (LogError, FencedError) as exc:
         log.warning("END of %s not written (%r); recovery will re-drive it", gtrid, exc)
         return False
     return True

@@ -2,5 +2,6 @@
 the database (`SqlDecisionLog`) for coordinators that another host must be able to recover."""
 
 from .resource import BranchFailed, NotPreparable, PostgresResource
+from .sql_log import SqlDecisionLog
 
-__all__ = ["BranchFailed", "NotPreparable", "PostgresResource"]
+__all__ = ["BranchFailed", "NotPreparable", "PostgresResource", "SqlDecisionLog"]

@@ -51,6 +51,17 @@ def is_not_preparable(error: BaseException) -> bool:
     return isinstance(unwrap(error), psycopg2.errors.FeatureNotSupported)
 
 
+def is_permission_denied(error: BaseException) -> bool:
+    return isinstance(unwrap(error), psycopg2.errors.InsufficientPrivilege)
+
+
+def is_retryable(error: BaseException) -> bool:
+    """The server advises retrying the whole transaction, or never got to run it."""
+    inner = unwrap(error)
+    retry = psycopg2.errors.SerializationFailure | psycopg2.errors.DeadlockDetected
+    return isinstance(inner, retry | psycopg2.errors.LockNotAvailable) or is_unreachable(error)
+
+
 def describe(error: BaseException) -> str:
     """The server's own words, without SQLAlchemy's long wrapper text."""
     inner = unwrap(error)

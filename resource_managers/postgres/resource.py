@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import threading
 import time
@@ -90,6 +91,7 @@ class _Branch:
     statements: int = 0
     may_write: bool = False
     failure: str | None = None  # why the branch must vote no, as the server said it
+    last_error: str | None = None  # the server's latest error, for the vote's message
     prepare_sent: bool = field(default=False)
 
 
@@ -205,17 +207,33 @@ class PostgresResource:
                 branch.may_write = True
 
     def _on_error(self, context: Any) -> None:
+        # Remembered for the no vote's message only: a failure the application recovered from
+        # (ROLLBACK TO SAVEPOINT) must not doom the branch, and the server's transaction status
+        # at prepare says whether it did.
         branch = self._by_connection.get(context.connection)
-        if branch is not None and branch.failure is None:
-            branch.failure = _errors.describe(context.original_exception)
+        if branch is not None:
+            branch.last_error = _errors.describe(context.original_exception)
 
     def _on_session_rollback(self, session: Session, previous: Any) -> None:
         # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode
         # as far as SQLAlchemy knows), so a rollback of the session dooms the branch instead.
+        # Rolling back to a savepoint (a nested transaction) undoes its work on the server.
+        if getattr(previous, "nested", False):
+            return
         with self._lock:
             for branch in self._branches.values():
                 if branch.session is session and branch.failure is None:
                     branch.failure = "the session was rolled back"
+                    if branch.last_error:
+                        branch.failure += f" after: {branch.last_error}"
+
+    def is_transient(self, error: BaseException) -> bool:
+        """For `TransactionManager.run`: may a retry of the whole transaction succeed?
+
+        Serialization failures and deadlocks (the server's advice is to retry), a lock timeout,
+        and a connection lost while the work ran (nothing was prepared or committed yet).
+        """
+        return _errors.is_retryable(error)
 
     # -- phase one ---------------------------------------------------------------------------------
 
@@ -227,7 +245,7 @@ class PostgresResource:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
         if branch.failure is None and self._in_error(branch):
-            branch.failure = "a statement failed earlier in the transaction"
+            branch.failure = branch.last_error or "a statement failed earlier in the transaction"
         if branch.failure is not None:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
@@ -399,9 +417,16 @@ class PostgresResource:
     def gauges(self) -> dict[str, Callable[[], float]]:
         """Read by the manager's metrics (`TransactionManager.register`)."""
         return {
-            "prepared_transactions": lambda: float(self.prepared_stats()[0]),
-            "oldest_prepared_age_seconds": lambda: self.prepared_stats()[1],
+            "prepared_transactions": lambda: self._gauge(0),
+            "oldest_prepared_age_seconds": lambda: self._gauge(1),
         }
+
+    def _gauge(self, index: int) -> float:
+        """NaN while the server is unreachable: one down database must not break the export."""
+        try:
+            return float(self.prepared_stats()[index])
+        except TransientError:
+            return math.nan
 
     def _marker_exists(self, xid: Xid) -> bool:
         facts = self._server_facts()
@@ -441,8 +466,8 @@ class PostgresResource:
         facts = self._facts
         if facts is not None:
             return facts
-        try:
-            with self._pooled() as connection:
+        with self._pooled() as connection:
+            try:
                 (database, role, max_prepared, schema), *_ = self._query(
                     connection,
                     "SELECT current_database(), current_user, "
@@ -450,17 +475,32 @@ class PostgresResource:
                 )
                 table = None
                 if self._markers:
+                    if schema is None:
+                        raise ConfigurationError(
+                            f"{self._name}: no schema of the search_path exists, so there is "
+                            "nowhere to keep the outcome marker table; create one or set "
+                            "search_path"
+                        )
                     table = f'"{schema}"."{self._marker_name}"'
-                    self._create_marker_table(connection, table)
-        except Exception as exc:
-            raise TransientError(
-                f"{self._name}: cannot reach PostgreSQL: {_errors.describe(exc)}"
-            ) from exc
+                    self._ensure_marker_table(connection, table)
+            except Exception as exc:
+                if _errors.is_unreachable(exc):
+                    raise TransientError(
+                        f"{self._name}: cannot reach PostgreSQL: {_errors.describe(exc)}"
+                    ) from exc
+                raise
         facts = _ServerFacts(str(database), str(role), int(max_prepared), table)
         self._facts = facts
         return facts
 
-    def _create_marker_table(self, connection: Connection, table: str) -> None:
+    def _ensure_marker_table(self, connection: Connection, table: str) -> None:
+        """Create the marker table if it is missing, or say exactly what an admin must run.
+
+        Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
+        schema even when the table is there, and PostgreSQL 15 took that from ordinary roles.
+        """
+        if self._query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
+            return
         ddl = (
             f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
             "committed_at timestamptz NOT NULL DEFAULT now())"
@@ -470,6 +510,12 @@ class PostgresResource:
                 self._raw(connection, ddl)
                 return
             except Exception as exc:
+                if _errors.is_permission_denied(exc):
+                    raise ConfigurationError(
+                        f"{self._name}: the role may not create the outcome marker table "
+                        f"({_errors.describe(exc)}); have an administrator run: {ddl}; "
+                        f"GRANT SELECT, INSERT, DELETE ON {table} TO <role>"
+                    ) from exc
                 # two processes creating it at once: one wins, the other sees a unique violation
                 if attempt == 2 or _errors.is_unreachable(exc):
                     raise

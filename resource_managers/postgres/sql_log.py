@@ -1,0 +1,714 @@
+"""`SqlDecisionLog`: the decision log in PostgreSQL, so that another host can recover a dead node.
+
+A file log dies with its disk; a coordinator that another host must be able to replace (a Spark
+driver, one of a fleet of application servers) keeps its decisions in the database instead. Three
+tables, shared by every node on one database and keyed by node id: ``<prefix>lease`` (who owns a
+node now, and since which epoch), ``<prefix>decision`` (a row is a COMMIT; deleting it is the END)
+and ``<prefix>heuristic``.
+
+Who may write is settled inside the database, never by a local clock. The lease is acquired,
+renewed and expires by the server's ``clock_timestamp()``; a takeover bumps its epoch. Every write
+is one statement that re-reads our lease row ``FOR SHARE`` and writes only while our epoch is
+current and unexpired, so a takeover and a write serialise on that row: once another host owns the
+node, the old owner can write nothing, and whatever it wrote before, the new owner reads.
+
+COMMITs are group-committed (one statement and one commit per batch of concurrent callers); ENDs
+are lazy and ride on the next batch, the renewal thread's tick or `SqlDecisionLog.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any, NoReturn
+
+from sqlalchemy import BigInteger, Column, DateTime, Double, MetaData, Table, Text, select, text
+from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.sql import Select, TextClause
+
+from coordinator.decision_log import Decision, HeuristicRecord, LogStats
+from coordinator.decision_log._memory import Clock, End, admit
+from coordinator.errors import (
+    ConfigurationError,
+    FencedError,
+    LogError,
+    LogLockedError,
+    LogWriteError,
+    TransactionError,
+)
+
+from ._errors import describe, unwrap
+
+log = logging.getLogger("twopc.decision_log.sql")
+
+# PostgreSQL truncates identifiers past 63 bytes; the longest table suffix is "heuristic".
+_PREFIX = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]{0,53})?\Z")
+_SCHEMA = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
+# Two processes creating the tables at once: the loser trips over a catalog unique index.
+_DUPLICATE = {"42P07", "42710", "23505"}
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def _tables(prefix: str, schema: str | None) -> tuple[MetaData, Table, Table, Table]:
+    md = MetaData(schema=schema)
+    lease = Table(
+        f"{prefix}lease",
+        md,
+        Column("node_id", Text, primary_key=True),
+        Column("epoch", BigInteger, nullable=False),
+        Column("owner", Text, nullable=False),
+        Column("expires_at", DateTime(timezone=True), nullable=False),
+        Column("acquired_at", DateTime(timezone=True)),
+    )
+    decision = Table(
+        f"{prefix}decision",
+        md,
+        Column("node_id", Text, primary_key=True),
+        Column("gtrid", Text, primary_key=True),
+        Column("branches", Text, nullable=False),  # a JSON array of resource names, commit order
+        Column("deadline", Double),
+        Column("written_at", Double, nullable=False),
+        Column("epoch", BigInteger, nullable=False),  # the lease epoch that wrote it
+    )
+    heuristic = Table(
+        f"{prefix}heuristic",
+        md,
+        Column("node_id", Text, primary_key=True),
+        Column("gtrid", Text, primary_key=True),
+        Column("branch", Text, primary_key=True),
+        Column("outcome", Text, nullable=False),
+        Column("detail", Text, nullable=False),
+        Column("recorded_at", Double, nullable=False),
+    )
+    return md, lease, decision, heuristic
+
+
+# Every write starts with this CTE and writes only FROM (or if EXISTS) it. FOR SHARE is what makes
+# the check hold until our COMMIT: under READ COMMITTED a plain read of the lease would let a
+# takeover commit its new epoch while our insert is still uncommitted; the new owner would then
+# read the decisions without ours, presume abort, and our COMMIT would land afterwards. With the
+# share lock the takeover's UPDATE waits for our commit (and then sees our rows), and a write that
+# arrives after a takeover waits for it and re-checks the new row version, finding no lease.
+_HELD = """held AS MATERIALIZED (
+    SELECT epoch FROM {lease}
+    WHERE node_id = :node AND epoch = :epoch AND owner = :owner
+      AND expires_at > clock_timestamp()
+    FOR SHARE)"""
+
+_BATCH = """WITH {held}, ins AS (
+    INSERT INTO {decision} (node_id, gtrid, branches, deadline, written_at, epoch)
+    SELECT :node, d.gtrid, d.branches, d.deadline, d.written_at, held.epoch
+    FROM held, unnest(CAST(:gtrids AS text[]), CAST(:branches AS text[]),
+                      CAST(:deadlines AS double precision[]),
+                      CAST(:written AS double precision[]))
+         AS d(gtrid, branches, deadline, written_at)
+    ON CONFLICT (node_id, gtrid) DO NOTHING
+    RETURNING 1
+), del AS (
+    DELETE FROM {decision}
+    WHERE node_id = :node AND gtrid = ANY(CAST(:ended AS text[])) AND EXISTS (SELECT 1 FROM held)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM ins), (SELECT count(*) FROM del)"""
+
+_HEURISTIC = """WITH {held}, ins AS (
+    INSERT INTO {heuristic} (node_id, gtrid, branch, outcome, detail, recorded_at)
+    SELECT :node, :gtrid, :branch, :outcome, :detail, CAST(:recorded_at AS double precision)
+    FROM held
+    ON CONFLICT (node_id, gtrid, branch) DO UPDATE
+    SET outcome = excluded.outcome, detail = excluded.detail, recorded_at = excluded.recorded_at
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM ins)"""
+
+_FORGET = """WITH {held}, del AS (
+    DELETE FROM {heuristic}
+    WHERE node_id = :node AND gtrid = :gtrid
+      AND (CAST(:branch AS text) IS NULL OR branch = CAST(:branch AS text))
+      AND EXISTS (SELECT 1 FROM held)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM del)"""
+
+_TTL = "clock_timestamp() + make_interval(secs => CAST(:ttl AS double precision))"
+_OURS = "node_id = :node AND epoch = :epoch AND owner = :owner"
+_ACQUIRE = f"""INSERT INTO {{lease}} AS cur (node_id, epoch, owner, expires_at, acquired_at)
+VALUES (:node, 1, :owner, {_TTL}, clock_timestamp())
+ON CONFLICT (node_id) DO UPDATE
+SET epoch = cur.epoch + 1, owner = excluded.owner, expires_at = excluded.expires_at,
+    acquired_at = excluded.acquired_at
+WHERE cur.expires_at < clock_timestamp()
+RETURNING epoch"""
+_HOLDER = """SELECT owner, epoch, expires_at,
+       EXTRACT(EPOCH FROM expires_at - clock_timestamp()) AS remaining
+FROM {lease} WHERE node_id = :node"""
+_RENEW = f"UPDATE {{lease}} SET expires_at = {_TTL} WHERE {_OURS} RETURNING epoch"
+_RELEASE = f"UPDATE {{lease}} SET expires_at = clock_timestamp() WHERE {_OURS}"
+
+
+@dataclass(frozen=True)
+class _Sql:
+    acquire: TextClause
+    holder: TextClause
+    renew: TextClause
+    release: TextClause
+    batch: TextClause
+    heuristic: TextClause
+    forget: TextClause
+
+    @classmethod
+    def build(cls, engine: Engine, lease: Table, decision: Table, heuristic: Table) -> _Sql:
+        """The statements, with table names quoted by the dialect; data only ever binds."""
+        quote = engine.dialect.identifier_preparer.format_table
+        names = {"lease": quote(lease), "decision": quote(decision), "heuristic": quote(heuristic)}
+        names["held"] = _HELD.format(**names)
+        sql = {"acquire": _ACQUIRE, "holder": _HOLDER, "renew": _RENEW, "release": _RELEASE}
+        sql |= {"batch": _BATCH, "heuristic": _HEURISTIC, "forget": _FORGET}
+        return cls(**{key: text(statement.format(**names)) for key, statement in sql.items()})
+
+
+@dataclass(frozen=True)
+class _Holder:
+    owner: str
+    epoch: int
+    expires_at: datetime
+    remaining: float  # seconds to expiry by the server's clock; negative once expired
+
+
+class _Ticket:
+    __slots__ = ("done", "error", "forced", "record")
+
+    def __init__(self, record: Decision | End | None, forced: bool) -> None:
+        self.record = record
+        self.forced = forced
+        self.done = False
+        self.error: TransactionError | None = None
+
+
+class _GroupCommit:
+    """Leader/follower batching of records into one ``flush(records)`` call.
+
+    `coordinator.journal`'s group commit carries bytes and turns every failure into
+    `LogWriteError`; a fenced batch must raise `FencedError`, hence this small twin. A forced
+    record queues; if no batch is being written, its thread leads: it takes the queue, flushes it,
+    and settles every record in it. Records arriving meanwhile form the next batch. Lazy records
+    queue and return at once. ``grouped=False`` gives each forced record a batch of its own.
+    """
+
+    def __init__(self, flush: Callable[[list[Decision | End]], None], *, grouped: bool) -> None:
+        self._flush = flush
+        self._grouped = grouped
+        self._turn = threading.Condition()
+        self._queue: list[_Ticket] = []
+        self._leading = False
+        self._closed = False
+        self.forced = 0
+        self.lazy = 0
+
+    def submit(self, record: Decision | End, *, force: bool) -> None:
+        """Queue a record; if forced, return once its batch committed (or raise its error)."""
+        ticket = _Ticket(record, force)
+        with self._turn:
+            if self._closed:
+                raise LogWriteError("decision log is closed; nothing was written", durable=False)
+            self._queue.append(ticket)
+            self.forced += force
+            self.lazy += not force
+        if force:
+            self._drive(ticket)
+
+    def sync(self) -> None:
+        """Write everything queued so far, lazy records included."""
+        ticket = _Ticket(None, True)
+        with self._turn:
+            self._queue.append(ticket)
+        self._drive(ticket)
+
+    def close(self) -> None:
+        """Refuse new records, then write the queue."""
+        with self._turn:
+            self._closed = True
+        self.sync()
+
+    def _drive(self, ticket: _Ticket) -> None:
+        while True:
+            with self._turn:
+                while self._leading and not ticket.done:
+                    self._turn.wait()
+                if ticket.done:
+                    break
+                self._leading = True
+                batch = self._take()
+            self._run(batch)
+        if ticket.error is not None:
+            raise ticket.error
+
+    def _take(self) -> list[_Ticket]:
+        cut = len(self._queue)
+        if not self._grouped:
+            cut = next((i + 1 for i, t in enumerate(self._queue) if t.forced), cut)
+        batch, self._queue = self._queue[:cut], self._queue[cut:]
+        return batch
+
+    def _run(self, batch: list[_Ticket]) -> None:
+        """Flush one batch and settle each of its records, whatever happens."""
+        error: TransactionError | None = None
+        try:
+            records = [t.record for t in batch if t.record is not None]
+            if records:
+                self._flush(records)
+        except (FencedError, LogWriteError) as exc:
+            error = exc
+        except BaseException as exc:
+            error = LogWriteError(f"unexpected failure writing decisions: {exc!r}", durable=None)
+            raise
+        finally:
+            with self._turn:
+                for t in batch:
+                    t.done = True
+                    if error is not None:  # a copy each: one exception raised in many threads
+                        t.error = copy.copy(error)  # would share one traceback
+                        t.error.__cause__ = error
+                self._leading = False
+                self._turn.notify_all()
+
+
+class SqlDecisionLog:
+    """Decisions of ``node_id`` in PostgreSQL, written only while this instance holds the node's
+    lease. Implements `coordinator.decision_log.DecisionLog`.
+
+    The constructor creates the tables if missing and acquires the lease, waiting up to
+    ``acquire_timeout`` seconds for a live owner's lease to expire, else `LogLockedError`. A daemon
+    thread renews it every ``renew_interval`` (a third of ``lease_seconds`` by default). The engine
+    stays the caller's: `close` releases the lease, never the engine. ``clock`` is what decision
+    deadlines are checked against; ``stats().fsyncs`` counts the database commits of records.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        node_id: str,
+        *,
+        table_prefix: str = "twopc_",
+        schema: str | None = None,
+        lease_seconds: float = 30.0,
+        renew_interval: float | None = None,
+        acquire_timeout: float = 0.0,
+        group_commit: bool = True,
+        clock: Clock = time.time,
+    ) -> None:
+        renew = lease_seconds / 3 if renew_interval is None else renew_interval
+        _check_config(node_id, table_prefix, schema, lease_seconds, renew)
+        self.node_id = node_id
+        # READ COMMITTED whatever the caller's engine says: the FOR SHARE reasoning assumes it.
+        self._engine = engine.execution_options(isolation_level="READ COMMITTED")
+        self._where = engine.url.render_as_string(hide_password=True)
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._ttl = float(lease_seconds)
+        self._renew_every = renew
+        self._margin = min(1.0, lease_seconds / 10)  # local clock rate vs the server's
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ends: Counter[str] = Counter()  # queued, not yet written: hidden from pending()
+        self._counts = Counter[str]()
+        self._fenced: str | None = None
+        self._closed = False
+        self._valid_until = 0.0
+        self._metadata, lease, decision, heuristic = _tables(table_prefix, schema)
+        self._decision, self._heuristic = decision, heuristic
+        self._sql = _Sql.build(engine, lease, decision, heuristic)
+        self._batcher = _GroupCommit(self._flush, grouped=group_commit)
+        self._create_schema()
+        self._epoch = self._acquire(acquire_timeout)
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(
+            target=self._renew_loop, name=f"twopc-lease-{node_id}", daemon=True
+        )
+        self._renewer.start()
+
+    # -- the DecisionLog protocol -------------------------------------------------------------
+
+    def log_commit(self, decision: Decision) -> None:
+        self._check_writable()
+        self._batcher.submit(admit(decision, self._clock), force=True)
+
+    def log_end(self, gtrid: str) -> None:
+        """Queue END; it is written with the next batch, the next renewal tick, or at close."""
+        if self._fenced is not None:
+            raise LogWriteError(f"END of {gtrid} not written: {self._fenced}", durable=False)
+        with self._lock:
+            self._ends[gtrid] += 1
+        try:
+            self._batcher.submit(End(gtrid), force=False)
+        except LogError:
+            self._forget_queued([End(gtrid)])
+            raise
+
+    def log_heuristic(self, record: HeuristicRecord) -> None:
+        self._check_writable()
+        params: dict[str, Any] = {"gtrid": record.gtrid, "branch": record.branch}
+        params |= {"outcome": record.outcome, "detail": record.detail}
+        params["recorded_at"] = record.recorded_at
+        self._write(self._sql.heuristic, params, f"HEURISTIC of {record.gtrid}/{record.branch}")
+        self._count("forced")
+
+    def forget_heuristic(self, gtrid: str, branch: str | None = None) -> None:
+        self._check_writable()
+        self._write(self._sql.forget, {"gtrid": gtrid, "branch": branch}, f"FORGET of {gtrid}")
+        self._count("forced")
+
+    def pending(self) -> list[Decision]:
+        """COMMITs of this node by any process or owner, in the order written, minus queued ENDs."""
+        with self._lock:  # read before the table: an END written meanwhile is gone from both
+            ending = set(self._ends)
+        t = self._decision
+        query = select(t.c.gtrid, t.c.branches, t.c.deadline, t.c.written_at)
+        query = query.where(t.c.node_id == self.node_id).order_by(t.c.written_at, t.c.gtrid)
+        return [
+            Decision(r.gtrid, tuple(json.loads(r.branches)), r.deadline, r.written_at)
+            for r in self._read(query, "pending decisions")
+            if r.gtrid not in ending
+        ]
+
+    def heuristics(self) -> list[HeuristicRecord]:
+        t = self._heuristic
+        query = select(t.c.gtrid, t.c.branch, t.c.outcome, t.c.detail, t.c.recorded_at)
+        query = query.where(t.c.node_id == self.node_id)
+        query = query.order_by(t.c.recorded_at, t.c.gtrid, t.c.branch)
+        rows = self._read(query, "heuristic records")
+        return [
+            HeuristicRecord(r.gtrid, r.branch, r.outcome, r.detail, r.recorded_at) for r in rows
+        ]
+
+    def stats(self) -> LogStats:
+        with self._lock:
+            extra = {"epoch": self._epoch, "batches": self._counts["batches"]}
+            extra |= {"fenced": self._fenced is not None, "queued_ends": self._ends.total()}
+            forced = self._batcher.forced + self._counts["forced"]
+            return LogStats(forced, self._batcher.lazy, self._counts["commits"], 0, extra)
+
+    def check_owner(self) -> None:
+        """Raise `FencedError` unless this instance certainly still owns the node.
+
+        Trusted locally while the last renewal is younger than the lease minus a margin: the
+        server cannot have let anyone take over before then. Past that, ask the server.
+        """
+        if self._closed:
+            raise FencedError(f"decision log of node {self.node_id!r} is closed", **self._who())
+        if self._fenced is not None:
+            raise FencedError(self._fenced, **self._who())
+        if time.monotonic() < self._valid_until:
+            return
+        try:
+            self._renew()
+        except SQLAlchemyError as exc:
+            raise FencedError(
+                f"cannot confirm the lease of node {self.node_id!r}: not renewed for "
+                f"{self._ttl - self._margin:.1f}s and {self._where} does not answer "
+                f"({describe(exc)})",
+                **self._who(),
+            ) from exc
+
+    def close(self) -> None:
+        """Write queued ENDs, stop renewing, and release the lease so a successor starts at once.
+
+        Idempotent. A renewal stuck on an unreachable server is left to die with the process;
+        the lease is then not released (a late renewal could revive it) and simply expires.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._batcher.close()
+        except (LogError, FencedError) as exc:
+            log.warning("decision log %s: END records lost at close (%s)", self._where, exc)
+        self._stop.set()
+        self._renewer.join(self._ttl)
+        if self._renewer.is_alive() or self._fenced is not None:
+            return
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(self._sql.release, self._lease_params())
+        except SQLAlchemyError as exc:
+            log.warning("lease of %r not released, it expires by itself: %s", self.node_id, exc)
+
+    def __enter__(self) -> SqlDecisionLog:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise LogWriteError("decision log is closed; nothing was written", durable=False)
+        if self._fenced is not None:
+            raise FencedError(self._fenced, **self._who())
+
+    def _flush(self, records: list[Decision | End]) -> None:
+        """One batch: its net effect in one fenced statement and one commit.
+
+        Netted in order, because one statement cannot insert and delete the same row: a COMMIT
+        followed by its END is just the END, and an END followed by a COMMIT just the COMMIT.
+        """
+        commits: dict[str, Decision] = {}
+        ended: set[str] = set()
+        for record in records:
+            if isinstance(record, Decision):
+                commits[record.gtrid] = record
+                ended.discard(record.gtrid)
+            else:
+                commits.pop(record.gtrid, None)
+                ended.add(record.gtrid)
+        decisions = list(commits.values())
+        params = {
+            "gtrids": [d.gtrid for d in decisions],
+            "branches": [json.dumps(list(d.branches)) for d in decisions],
+            "deadlines": [d.deadline for d in decisions],
+            "written": [d.written_at for d in decisions],
+            "ended": sorted(ended),
+        }
+        try:
+            self._write(self._sql.batch, params, f"{len(decisions)} COMMIT/{len(ended)} END")
+            self._count("batches")
+        finally:
+            self._forget_queued([r for r in records if isinstance(r, End)])
+
+    def _forget_queued(self, ends: Sequence[End]) -> None:
+        with self._lock:
+            self._ends.subtract(end.gtrid for end in ends)
+            self._ends = +self._ends
+
+    def _write(self, statement: TextClause, params: dict[str, Any], what: str) -> None:
+        """Run a fenced statement and commit it, saying exactly what a failure leaves behind."""
+        conn, row = self._execute(statement, {**params, **self._lease_params()}, what)
+        with conn:
+            if row[0]:
+                try:
+                    conn.commit()
+                except SQLAlchemyError as exc:
+                    raise LogWriteError(
+                        f"{what} record(s): {self._where} failed during COMMIT, so they may or "
+                        f"may not be recorded ({describe(exc)})",
+                        durable=None,
+                    ) from exc
+        if not row[0]:
+            self._not_leased(what)
+        self._count("commits")
+
+    def _execute(
+        self, statement: TextClause, params: dict[str, Any], what: str
+    ) -> tuple[Connection, Row[Any]]:
+        """The statement's result on an open transaction; any failure here wrote nothing."""
+        for attempt in range(2):
+            conn: Connection | None = None
+            try:
+                conn = self._engine.connect()
+                return conn, conn.execute(statement, params).one()
+            except BaseException as exc:
+                if conn is not None:
+                    with contextlib.suppress(SQLAlchemyError):
+                        conn.close()
+                if not isinstance(exc, SQLAlchemyError):
+                    raise
+                # A pooled connection that died with a restarted server fails here, before any
+                # COMMIT was sent: one retry on a fresh connection cannot write anything twice.
+                if attempt == 0 and isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                    continue
+                raise LogWriteError(
+                    f"{what} record(s) not written to {self._where}: {describe(exc)}",
+                    durable=False,
+                ) from exc
+        raise AssertionError("unreachable")
+
+    def _not_leased(self, what: str) -> NoReturn:
+        """The statement found no lease of ours: say whether it was taken over or just lapsed."""
+        try:
+            holder = self._holder()
+        except SQLAlchemyError as exc:
+            raise FencedError(
+                f"{what} record(s) not written: the lease of node {self.node_id!r} is not ours "
+                f"or has expired ({self._where} did not say more: {describe(exc)})",
+                **self._who(),
+            ) from exc
+        if holder is None or (holder.owner, holder.epoch) != (self._owner, self._epoch):
+            self._taken_over(holder)
+        raise FencedError(
+            f"{what} record(s) not written: the lease of node {self.node_id!r} (epoch "
+            f"{self._epoch}) expired {-holder.remaining:.1f}s ago by the database clock and was "
+            "not renewed in time (a slow database, or this process was paused)",
+            **self._who(),
+        )
+
+    # -- the lease ----------------------------------------------------------------------------
+
+    def _lease_params(self) -> dict[str, Any]:
+        return {"node": self.node_id, "epoch": self._epoch, "owner": self._owner, "ttl": self._ttl}
+
+    def _who(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "epoch": getattr(self, "_epoch", None)}
+
+    def _acquire(self, timeout: float) -> int:
+        give_up = time.monotonic() + timeout
+        while True:
+            sent = time.monotonic()
+            epoch = self._try_acquire(max(1.0, give_up - sent))
+            if epoch is not None:
+                self._valid_until = sent + self._ttl - self._margin
+                log.info("node %r: lease epoch %d taken as %s", self.node_id, epoch, self._owner)
+                return epoch
+            try:
+                holder = self._holder()
+            except SQLAlchemyError as exc:
+                raise self._unreachable("reading the lease", exc) from exc
+            left = give_up - time.monotonic()
+            if left <= 0 and holder is not None:
+                raise LogLockedError(
+                    f"node {self.node_id!r} of the decision log in {self._where} is held by "
+                    f"{holder.owner} (epoch {holder.epoch}) until {holder.expires_at.isoformat()} "
+                    f"by the database clock, {holder.remaining:.1f}s from now; is that "
+                    f"coordinator still running? (waited {timeout}s)",
+                    node_id=self.node_id,
+                    owner=holder.owner,
+                    expires_at=holder.expires_at.isoformat(),
+                )
+            wait = 0.01 if holder is None else max(0.01, holder.remaining)
+            time.sleep(min(wait, 0.25, max(left, 0.0)))
+
+    def _try_acquire(self, lock_wait: float) -> int | None:
+        """One attempt: the new epoch, or None while another owner's lease runs.
+
+        ``lock_timeout`` bounds the wait on a row lock held by the owner's open transaction (a
+        write in progress, or a paused process), so `acquire_timeout` is kept even then.
+        """
+        params = {"node": self.node_id, "owner": self._owner, "ttl": self._ttl}
+        try:
+            with self._engine.begin() as conn:
+                ms = {"ms": str(int(lock_wait * 1000))}
+                conn.execute(text("SELECT set_config('lock_timeout', :ms, true)"), ms)
+                row = conn.execute(self._sql.acquire, params).first()
+        except DBAPIError as exc:
+            if getattr(unwrap(exc), "pgcode", None) == _LOCK_NOT_AVAILABLE:
+                return None
+            raise self._unreachable("acquiring the lease", exc) from exc
+        except SQLAlchemyError as exc:
+            raise self._unreachable("acquiring the lease", exc) from exc
+        return None if row is None else int(row[0])
+
+    def _holder(self) -> _Holder | None:
+        with self._engine.connect() as conn:
+            row = conn.execute(self._sql.holder, {"node": self.node_id}).first()
+        if row is None:
+            return None
+        return _Holder(str(row.owner), int(row.epoch), row.expires_at, float(row.remaining))
+
+    def _renew(self) -> None:
+        """Extend our lease, even one that lapsed; fenced for good if the epoch is not ours."""
+        sent = time.monotonic()
+        with self._engine.begin() as conn:
+            row = conn.execute(self._sql.renew, self._lease_params()).first()
+        if row is None:
+            self._taken_over(self._holder())
+        with self._lock:
+            self._valid_until = max(self._valid_until, sent + self._ttl - self._margin)
+
+    def _taken_over(self, holder: _Holder | None) -> NoReturn:
+        by = "(its row was deleted)" if holder is None else f"by {holder.owner}"
+        at = "" if holder is None else f" at epoch {holder.epoch}"
+        reason = (
+            f"the lease of node {self.node_id!r} in {self._where} was taken over {by}{at}; this "
+            f"log held epoch {self._epoch} as {self._owner} and may no longer decide for the node"
+        )
+        with self._lock:
+            first, self._fenced = self._fenced is None, self._fenced or reason
+        if first:
+            log.error("FENCED: %s", reason)
+        raise FencedError(self._fenced, **self._who())
+
+    def _renew_loop(self) -> None:
+        """Renew, then write queued ENDs; retry sooner after a failure; stop once fenced."""
+        wait = self._renew_every
+        while not self._stop.wait(wait):
+            wait = self._renew_every
+            try:
+                self._renew()
+            except FencedError:
+                return
+            except Exception as exc:
+                log.warning("node %r: lease not renewed, retrying: %s", self.node_id, exc)
+                wait = min(wait, max(0.05, self._ttl / 10))
+                continue
+            if self._ends:
+                with contextlib.suppress(LogError, FencedError):  # lost ENDs are re-driven
+                    self._batcher.sync()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _create_schema(self) -> None:
+        """Create missing tables; a concurrent creator makes us fail once, then look again."""
+        for attempt in range(3):
+            try:
+                with self._engine.begin() as conn:
+                    self._metadata.create_all(conn, checkfirst=True)
+                return
+            except DBAPIError as exc:
+                if attempt < 2 and getattr(unwrap(exc), "pgcode", None) in _DUPLICATE:
+                    continue
+                raise self._unreachable("creating the decision log tables", exc) from exc
+            except SQLAlchemyError as exc:
+                raise self._unreachable("creating the decision log tables", exc) from exc
+
+    def _read(self, query: Select[Any], what: str) -> Sequence[Row[Any]]:
+        try:
+            with self._engine.connect() as conn:
+                return conn.execute(query).all()
+        except SQLAlchemyError as exc:
+            raise LogError(f"cannot read {what} from {self._where}: {describe(exc)}") from exc
+
+    def _unreachable(self, what: str, exc: SQLAlchemyError) -> LogWriteError:
+        return LogWriteError(
+            f"decision log database {self._where} failed while {what} for node "
+            f"{self.node_id!r}; nothing was written: {describe(exc)}",
+            durable=False,
+        )
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+
+def _check_config(
+    node_id: str, prefix: str, schema: str | None, lease_seconds: float, renew: float
+) -> None:
+    """Names reach SQL as identifiers (quoted, but still), so they are held to a strict shape."""
+    if not node_id:
+        raise ConfigurationError("a decision log needs a non-empty node_id")
+    if not _PREFIX.match(prefix):
+        raise ConfigurationError(f"table_prefix {prefix!r}: letters, digits, _ (54 at most)")
+    if schema is not None and not _SCHEMA.match(schema):
+        raise ConfigurationError(f"schema {schema!r}: letters, digits and _ only (63 at most)")
+    if not lease_seconds > 0:
+        raise ConfigurationError(f"lease_seconds must be positive, not {lease_seconds!r}")
+    if not 0 < renew < lease_seconds:
+        raise ConfigurationError(
+            f"renew_interval {renew!r} must be positive and shorter than lease_seconds "
+            f"{lease_seconds!r}, or the lease lapses between renewals"
+        )
