@@ -9,6 +9,7 @@ coordinator.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -17,7 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from . import config as config_mod
-from .decision_log import FileDecisionLog, inspect_log
+from .decision_log import inspect_log
 from .errors import TransactionError
 from .manager import TransactionManager
 
@@ -40,7 +41,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def _manager(cfg: config_mod.Config) -> TransactionManager:
     return TransactionManager(
         cfg.node_id,
-        FileDecisionLog(cfg.log),
+        cfg.build_log(),
         cfg.build_resources(),
         recover_on_start=False,
         recovery_interval=None,
@@ -64,9 +65,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Read-only: works while the application holds the log, and never changes it."""
     cfg = config_mod.load(args.config)
-    pending, heuristics, notes = summarize(inspect_log(cfg.log))
+    if cfg.log is not None:
+        pending, heuristics, notes = summarize(inspect_log(cfg.log))
+        where = str(cfg.log)
+    else:
+        pending, heuristics, notes = _read_log(cfg)
+        where = f"the log of node {cfg.node_id} ({cfg.log_factory})"
     now = time.time()
-    print(f"in-doubt transactions (committed, not every branch told) in {cfg.log}:")
+    print(f"in-doubt transactions (committed, not every branch told) in {where}:")
     print(
         table(
             ["gtrid", "branches", "age_s"],
@@ -95,6 +101,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"\nwarning: {note}")
     return 1 if notes else 0
+
+
+def _read_log(
+    cfg: config_mod.Config,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Pending decisions and heuristics of a factory-built log, opened read-only."""
+    log = cfg.build_log(read_only=True)
+    try:
+        pending = {
+            d.gtrid: {"branches": d.branches, "written_at": d.written_at} for d in log.pending()
+        }
+        heuristics = [dataclasses.asdict(h) for h in log.heuristics()]
+    finally:
+        log.close()
+    return pending, heuristics, []
 
 
 def summarize(

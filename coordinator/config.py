@@ -11,6 +11,11 @@ written to the config, the log or a terminal. Example ``twopc.toml``::
     ledger = "orders.twopc:ledger_resource"
     cache = "orders.twopc:cache_resource"
 
+A decision log that is not a local directory (the SQL log, for a node another host must be able
+to recover) is named by a factory instead of ``log``: ``log_factory = "orders.twopc:decision_log"``.
+It is called as ``factory(node_id)`` for ``twopc recover`` and ``factory(node_id, read_only=True)``
+for ``twopc status``, which must read a log while its live owner holds it and never write.
+
 JSON with the same keys works too (and is the only format on Python 3.10, which has no tomllib).
 """
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .decision_log import DecisionLog, FileDecisionLog
 from .errors import ConfigurationError
 from .resource import Resource
 from .xid import validate_node_id, validate_resource_name
@@ -32,8 +38,19 @@ from .xid import validate_node_id, validate_resource_name
 @dataclass(frozen=True)
 class Config:
     node_id: str
-    log: Path
+    log: Path | None
     resources: dict[str, str] = field(default_factory=dict)
+    log_factory: str | None = None
+
+    def build_log(self, *, read_only: bool = False) -> DecisionLog:
+        if self.log is not None:
+            return FileDecisionLog(self.log)
+        assert self.log_factory is not None  # load() requires one of the two
+        factory: Callable[..., Any] = load_object(self.log_factory)
+        built = factory(self.node_id, read_only=True) if read_only else factory(self.node_id)
+        if not isinstance(built, DecisionLog):
+            raise ConfigurationError(f"log factory {self.log_factory} did not build a DecisionLog")
+        return built
 
     def build_resources(self) -> list[Resource]:
         built = []
@@ -54,19 +71,27 @@ def load(path: str | Path) -> Config:
         raw = _parse(path)
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"cannot read config {path}: {exc}") from exc
-    for key in ("node_id", "log"):
-        if not isinstance(raw.get(key), str):
-            raise ConfigurationError(f"config {path}: '{key}' must be a string")
+    if not isinstance(raw.get("node_id"), str):
+        raise ConfigurationError(f"config {path}: 'node_id' must be a string")
+    has_log, has_factory = isinstance(raw.get("log"), str), isinstance(raw.get("log_factory"), str)
+    if has_log == has_factory:
+        raise ConfigurationError(
+            f"config {path}: give exactly one of 'log' (a directory) and 'log_factory' "
+            "('package.module:function')"
+        )
     resources = raw.get("resources", {})
     if not isinstance(resources, dict):
         raise ConfigurationError(f"config {path}: [resources] must map names to factories")
     for name in resources:
         validate_resource_name(name)
-    log_dir = Path(raw["log"])
+    log_dir = Path(raw["log"]) if has_log else None
+    if log_dir is not None and not log_dir.is_absolute():
+        log_dir = path.parent / log_dir
     return Config(
         validate_node_id(raw["node_id"]),
-        log_dir if log_dir.is_absolute() else path.parent / log_dir,
+        log_dir,
         {str(k): str(v) for k, v in resources.items()},
+        raw.get("log_factory"),
     )
 
 

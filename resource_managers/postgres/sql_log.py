@@ -296,6 +296,8 @@ class SqlDecisionLog:
     thread renews it every ``renew_interval`` (a third of ``lease_seconds`` by default). The engine
     stays the caller's: `close` releases the lease, never the engine. ``clock`` is what decision
     deadlines are checked against; ``stats().fsyncs`` counts the database commits of records.
+    ``read_only=True`` takes no lease and writes nothing (every write raises): for reading a node's
+    pending decisions and heuristics while its live owner runs, as ``twopc status`` does.
     """
 
     def __init__(
@@ -310,6 +312,7 @@ class SqlDecisionLog:
         acquire_timeout: float = 0.0,
         group_commit: bool = True,
         clock: Clock = time.time,
+        read_only: bool = False,
     ) -> None:
         renew = lease_seconds / 3 if renew_interval is None else renew_interval
         _check_config(node_id, table_prefix, schema, lease_seconds, renew)
@@ -332,12 +335,18 @@ class SqlDecisionLog:
         self._decision, self._heuristic = decision, heuristic
         self._sql = _Sql.build(engine, lease, decision, heuristic)
         self._batcher = _GroupCommit(self._flush, grouped=group_commit)
-        self._create_schema()
-        self._epoch = self._acquire(acquire_timeout)
         self._stop = threading.Event()
         self._renewer = threading.Thread(
             target=self._renew_loop, name=f"twopc-lease-{node_id}", daemon=True
         )
+        self._read_only = read_only
+        if read_only:
+            # `twopc status` beside a live owner: no lease, no schema, no writes, only reads
+            self._epoch = 0
+            self._fenced = f"decision log of node {node_id!r} was opened read-only"
+            return
+        self._create_schema()
+        self._epoch = self._acquire(acquire_timeout)
         self._renewer.start()
 
     # -- the DecisionLog protocol -------------------------------------------------------------
@@ -438,6 +447,8 @@ class SqlDecisionLog:
         except (LogError, FencedError) as exc:
             log.warning("decision log %s: END records lost at close (%s)", self._where, exc)
         self._stop.set()
+        if self._read_only:
+            return
         self._renewer.join(self._ttl)
         if self._renewer.is_alive() or self._fenced is not None:
             return
