@@ -149,6 +149,8 @@ class TransactionManager:
 
     def register(self, resource: Resource) -> None:
         """Make ``resource`` known for recovery; its name must be unique in this manager."""
+        if self._resources.get(resource.name) is resource:
+            return  # every join calls this: the known case must cost a dict lookup, no more
         name = validate_resource_name(resource.name)
         with self._lock:
             known = self._resources.get(name)

@@ -42,7 +42,8 @@ from typing import Any
 import psycopg2.extensions as ext
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import ORMExecuteState, Session
+from sqlalchemy.sql.elements import TextClause
 
 from coordinator import (
     FORMAT_ID,
@@ -88,8 +89,7 @@ class _Branch:
     gid: str
     connection: Connection
     session: Session
-    statements: int = 0
-    may_write: bool = False
+    may_write: bool = False  # seen by the session hooks; a False is confirmed by the server
     failure: str | None = None  # why the branch must vote no, as the server said it
     last_error: str | None = None  # the server's latest error, for the vote's message
     prepare_sent: bool = field(default=False)
@@ -139,7 +139,7 @@ class PostgresResource:
         self.engine = engine
         self._name = name or _default_name(engine)
         self._sort_key = sort_key or self._name
-        self._session_factory = session_factory or (lambda conn: Session(bind=conn))
+        self._session_factory = session_factory or (lambda conn: TwopcSession(bind=conn))
         self._begin = "BEGIN"
         if isolation_level is not None:
             self._begin += f" ISOLATION LEVEL {isolation_level.upper()}"
@@ -150,11 +150,8 @@ class PostgresResource:
         self._busy_delay = busy_delay
         self._lock = threading.Lock()
         self._branches: dict[Xid, _Branch] = {}
-        self._by_connection: dict[Connection, _Branch] = {}
         self._facts: _ServerFacts | None = None
         self._last_purge = 0.0
-        event.listen(engine, "before_cursor_execute", self._on_statement)
-        event.listen(engine, "handle_error", self._on_error)
 
     @property
     def name(self) -> str:
@@ -184,48 +181,21 @@ class PostgresResource:
                 f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
             ) from exc
         try:
-            _autocommit(connection, True)
-            self._raw(connection, self._begin)
-            branch = _Branch(xid, xid.to_gid(), connection, self._session_factory(connection))
+            _autocommit(_dbapi(connection), True)
+            self._raw(_dbapi(connection), self._begin)
+            session = self._session_factory(connection)
+            _watch(type(session))
+            branch = _Branch(xid, xid.to_gid(), connection, session)
+            session.info[_BRANCH] = branch
         except Exception as exc:
             connection.invalidate()
             connection.close()
             raise TransientError(
                 f"{self._name}: cannot open a branch: {_errors.describe(exc)}"
             ) from exc
-        event.listen(branch.session, "after_soft_rollback", self._on_session_rollback)
         with self._lock:
             self._branches[xid] = branch
-            self._by_connection[connection] = branch
         return branch.session
-
-    def _on_statement(self, conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
-        branch = self._by_connection.get(conn)
-        if branch is not None:
-            branch.statements += 1
-            if not _READ_ONLY_STATEMENT.match(statement):
-                branch.may_write = True
-
-    def _on_error(self, context: Any) -> None:
-        # Remembered for the no vote's message only: a failure the application recovered from
-        # (ROLLBACK TO SAVEPOINT) must not doom the branch, and the server's transaction status
-        # at prepare says whether it did.
-        branch = self._by_connection.get(context.connection)
-        if branch is not None:
-            branch.last_error = _errors.describe(context.original_exception)
-
-    def _on_session_rollback(self, session: Session, previous: Any) -> None:
-        # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode
-        # as far as SQLAlchemy knows), so a rollback of the session dooms the branch instead.
-        # Rolling back to a savepoint (a nested transaction) undoes its work on the server.
-        if getattr(previous, "nested", False):
-            return
-        with self._lock:
-            for branch in self._branches.values():
-                if branch.session is session and branch.failure is None:
-                    branch.failure = "the session was rolled back"
-                    if branch.last_error:
-                        branch.failure += f" after: {branch.last_error}"
 
     def is_transient(self, error: BaseException) -> bool:
         """For `TransactionManager.run`: may a retry of the whole transaction succeed?
@@ -249,7 +219,7 @@ class PostgresResource:
         if branch.failure is not None:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
-        if branch.statements == 0 or (not branch.may_write and not self._has_xid(branch)):
+        if not branch.may_write and not self._has_xid(branch):
             self._end_local(branch)
             return Vote.READ_ONLY
         self._prepare_on_server(branch)
@@ -265,7 +235,7 @@ class PostgresResource:
             params.insert(0, branch.gid)
         branch.prepare_sent = True
         try:
-            tag = self._raw(branch.connection, sql, params)
+            tag = self._raw(_dbapi(branch.connection), sql, params)
         except Exception as exc:
             if _errors.is_unreachable(exc):
                 # The PREPARE may have landed before the connection died: roll back by gid later.
@@ -321,7 +291,7 @@ class PostgresResource:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
         try:
-            tag = self._raw(branch.connection, "COMMIT")
+            tag = self._raw(_dbapi(branch.connection), "COMMIT")
         except Exception as exc:
             broken = _errors.is_unreachable(exc)
             self._discard(branch, broken=True)
@@ -493,7 +463,7 @@ class PostgresResource:
         self._facts = facts
         return facts
 
-    def _ensure_marker_table(self, connection: Connection, table: str) -> None:
+    def _ensure_marker_table(self, connection: Any, table: str) -> None:
         """Create the marker table if it is missing, or say exactly what an admin must run.
 
         Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
@@ -528,19 +498,21 @@ class PostgresResource:
         return branch
 
     def _in_error(self, branch: _Branch) -> bool:
-        dbapi = branch.connection.connection.dbapi_connection
+        dbapi = _dbapi(branch.connection)
         status = getattr(getattr(dbapi, "info", None), "transaction_status", None)
         return bool(status == ext.TRANSACTION_STATUS_INERROR)
 
     def _has_xid(self, branch: _Branch) -> bool:
         """Did any statement write? Only asked when every statement looked like a read."""
-        rows = self._query(branch.connection, "SELECT txid_current_if_assigned() IS NOT NULL")
+        rows = self._query(
+            _dbapi(branch.connection), "SELECT txid_current_if_assigned() IS NOT NULL"
+        )
         return bool(rows[0][0])
 
     def _end_local(self, branch: _Branch) -> None:
         """Roll back an unprepared branch and give its connection back."""
         try:
-            self._raw(branch.connection, "ROLLBACK")
+            self._raw(_dbapi(branch.connection), "ROLLBACK")
         except Exception as exc:
             log.debug("%s: rollback of %s failed: %r", self._name, branch.gid, exc)
             self._discard(branch, broken=True)
@@ -550,44 +522,45 @@ class PostgresResource:
     def _discard(self, branch: _Branch, *, broken: bool) -> None:
         with self._lock:
             self._branches.pop(branch.xid, None)
-            self._by_connection.pop(branch.connection, None)
         try:
+            branch.session.info.pop(_BRANCH, None)
             branch.session.close()
             if broken:
                 branch.connection.invalidate()
             else:
-                _autocommit(branch.connection, False)
+                _autocommit(_dbapi(branch.connection), False)
             branch.connection.close()
         except Exception as exc:
             log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
 
     @contextlib.contextmanager
-    def _pooled(self) -> Iterator[Connection]:
-        """A pooled autocommit connection; one that lost its server is not given back."""
+    def _pooled(self) -> Iterator[Any]:
+        """A pooled DBAPI connection in autocommit mode; one that lost its server is not given
+        back. Raw, not a SQLAlchemy `Connection`: phase two needs one statement, not a facade."""
         try:
-            connection = self.engine.connect()
-            _autocommit(connection, True)
+            raw = self.engine.raw_connection()
+            _autocommit(raw.dbapi_connection, True)
         except Exception as exc:
             raise TransientError(
                 f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
             ) from exc
         try:
-            yield connection
-            _autocommit(connection, False)
+            yield raw
+            _autocommit(raw.dbapi_connection, False)
         except BaseException as exc:
             if _errors.is_unreachable(exc):
-                connection.invalidate()
+                raw.invalidate()
             else:
                 with contextlib.suppress(Exception):
-                    _autocommit(connection, False)
+                    _autocommit(raw.dbapi_connection, False)
             raise
         finally:
-            connection.close()
+            raw.close()
 
     @staticmethod
-    def _raw(connection: Connection, sql: str, params: list[Any] | None = None) -> str:
-        """Run ``sql`` on the DBAPI cursor (quoting by psycopg2) and return the command tag."""
-        cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    def _raw(dbapi: Any, sql: str, params: list[Any] | None = None) -> str:
+        """Run ``sql`` on a DBAPI cursor (quoting by psycopg2) and return the command tag."""
+        cursor = dbapi.cursor()
         try:
             cursor.execute(sql, params)
             return str(cursor.statusmessage)
@@ -595,10 +568,8 @@ class PostgresResource:
             cursor.close()
 
     @staticmethod
-    def _query(
-        connection: Connection, sql: str, params: list[Any] | None = None
-    ) -> list[tuple[Any, ...]]:
-        cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    def _query(dbapi: Any, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+        cursor = dbapi.cursor()
         try:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
@@ -606,13 +577,80 @@ class PostgresResource:
             cursor.close()
 
 
-def _autocommit(connection: Connection, on: bool) -> None:
+def _dbapi(connection: Connection) -> Any:
+    return connection.connection.dbapi_connection
+
+
+def _autocommit(dbapi: Any, on: bool) -> None:
     """Flip psycopg2's autocommit directly: no round trip, unlike SQLAlchemy's isolation-level
     option, whose reset on every return to the pool costs a ``SET default_transaction_isolation``.
     The pool sees the connection exactly as it lent it."""
-    dbapi = connection.connection.dbapi_connection
     if dbapi is not None and dbapi.autocommit != on:
         dbapi.autocommit = on
+
+
+# -- the session hooks ---------------------------------------------------------------------------
+#
+# Registered once per Session class, never per engine or per session: an engine-level listener
+# slows every statement of every connection of the engine (the application's own too), and a
+# per-session one slows that session's every call. A branch finds itself in ``session.info``.
+
+_BRANCH = "twopc.postgres.branch"
+_watched: set[type[Session]] = set()
+_watched_lock = threading.Lock()
+
+
+class TwopcSession(Session):
+    """The session a branch hands out by default: a `Session` whose class carries the hooks."""
+
+
+def _watch(cls: type[Session]) -> None:
+    if cls in _watched:
+        return
+    with _watched_lock:
+        if cls not in _watched:
+            event.listen(cls, "do_orm_execute", _on_execute)
+            event.listen(cls, "after_flush", _on_flush)
+            event.listen(cls, "after_soft_rollback", _on_soft_rollback)
+            _watched.add(cls)
+
+
+def _on_execute(state: ORMExecuteState) -> Any:
+    """Note writes (to skip the server's read-only check) and the last error (for the vote)."""
+    branch: _Branch | None = state.session.info.get(_BRANCH)
+    if branch is None:
+        return None
+    statement = state.statement
+    if not state.is_select and not (
+        isinstance(statement, TextClause) and _READ_ONLY_STATEMENT.match(statement.text)
+    ):
+        branch.may_write = True
+    try:
+        return state.invoke_statement()
+    except Exception as exc:
+        # remembered for the no vote's message only: a failure the application recovered from
+        # (ROLLBACK TO SAVEPOINT) must not doom the branch, and the server's transaction status
+        # at prepare says whether it did
+        branch.last_error = _errors.describe(exc)
+        raise
+
+
+def _on_flush(session: Session, context: Any) -> None:
+    branch: _Branch | None = session.info.get(_BRANCH)
+    if branch is not None:
+        branch.may_write = True
+
+
+def _on_soft_rollback(session: Session, previous: Any) -> None:
+    # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode as
+    # far as SQLAlchemy knows), so a rollback of the session dooms the branch instead. Rolling
+    # back to a savepoint (a nested transaction) undoes its work on the server.
+    branch: _Branch | None = session.info.get(_BRANCH)
+    if branch is None or getattr(previous, "nested", False) or branch.failure is not None:
+        return
+    branch.failure = "the session was rolled back"
+    if branch.last_error:
+        branch.failure += f" after: {branch.last_error}"
 
 
 class _UnknownGid(Exception):

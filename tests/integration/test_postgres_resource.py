@@ -427,3 +427,12 @@ def test_gauges_of_an_unreachable_database_read_nan(bank: Bank, managers: list) 
     metrics = tm.metrics.as_dict()
     assert math.isnan(metrics["resource_dead_prepared_transactions"])
     assert metrics["resource_a_prepared_transactions"] == 0
+
+
+def test_writes_the_session_never_saw_are_still_prepared(bank: Bank, managers: list) -> None:
+    """Core on ``session.connection()`` bypasses the session's hooks; the server still knows."""
+    tm = make_manager(managers, [bank.a, bank.b])
+    with tm.transaction() as tx:
+        tx.join(bank.a).connection().execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+        move(tx.join(bank.b), "t1", 1, 10)
+    assert bank.totals() == (3000, 4010)
