@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg2.extensions as ext
 from sqlalchemy import event
@@ -62,6 +62,7 @@ from coordinator.crashpoints import crash_point
 from . import _errors
 
 log = logging.getLogger("twopc.postgres")
+T = TypeVar("T")
 
 _ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
 _READ_ONLY_STATEMENT = re.compile(r"\s*(SELECT|SHOW|VALUES|TABLE)\b", re.IGNORECASE)
@@ -174,6 +175,23 @@ class PostgresResource:
                 "part in two-phase commit; set max_prepared_transactions (at least "
                 "max_connections) in postgresql.conf and restart PostgreSQL"
             )
+        connection = self._once_more(self._begun_connection)
+        try:
+            session = self._session_factory(connection)
+            _watch(type(session))
+            branch = _Branch(xid, xid.to_gid(), connection, session)
+            session.info[_BRANCH] = branch
+        except BaseException:
+            self._raw(_dbapi(connection), "ROLLBACK")
+            _autocommit(_dbapi(connection), False)
+            connection.close()
+            raise
+        with self._lock:
+            self._branches[xid] = branch
+        return branch.session
+
+    def _begun_connection(self) -> Connection:
+        """A pooled connection in our own transaction (the module docstring says why)."""
         try:
             connection = self.engine.connect()
         except Exception as exc:
@@ -183,19 +201,18 @@ class PostgresResource:
         try:
             _autocommit(_dbapi(connection), True)
             self._raw(_dbapi(connection), self._begin)
-            session = self._session_factory(connection)
-            _watch(type(session))
-            branch = _Branch(xid, xid.to_gid(), connection, session)
-            session.info[_BRANCH] = branch
         except Exception as exc:
             connection.invalidate()
             connection.close()
+            if _errors.is_unreachable(exc):
+                self._forget_pool()
+                raise _ConnectionLost(
+                    f"{self._name}: lost the connection to PostgreSQL: {_errors.describe(exc)}"
+                ) from exc
             raise TransientError(
                 f"{self._name}: cannot open a branch: {_errors.describe(exc)}"
             ) from exc
-        with self._lock:
-            self._branches[xid] = branch
-        return branch.session
+        return connection
 
     def is_transient(self, error: BaseException) -> bool:
         """For `TransactionManager.run`: may a retry of the whole transaction succeed?
@@ -325,10 +342,14 @@ class PostgresResource:
     def _finish_prepared(self, verb: str, xid: Xid) -> None:
         """``COMMIT/ROLLBACK PREPARED`` on a pooled connection, retrying while the gid is busy."""
         gid = xid.to_gid()
+
+        def finish() -> None:
+            with self._pooled() as connection:
+                self._raw(connection, f"{verb} %s", [gid])
+
         for attempt in range(self._busy_retries + 1):
             try:
-                with self._pooled() as connection:
-                    self._raw(connection, f"{verb} %s", [gid])
+                self._once_more(finish)
                 return
             except Exception as exc:
                 if _errors.is_unknown_gid(exc):
@@ -345,12 +366,10 @@ class PostgresResource:
 
     def recover(self) -> list[Xid]:
         """Our prepared branches in this database, owned by our role, of any age."""
-        with self._pooled() as connection:
-            rows = self._query(
-                connection,
-                "SELECT gid FROM pg_prepared_xacts "
-                "WHERE database = current_database() AND owner = current_user",
-            )
+        rows = self._pooled_query(
+            "SELECT gid FROM pg_prepared_xacts "
+            "WHERE database = current_database() AND owner = current_user"
+        )
         found: list[Xid] = []
         for (gid,) in rows:
             try:
@@ -365,22 +384,17 @@ class PostgresResource:
     def forget(self, xid: Xid) -> None:
         facts = self._server_facts()
         if facts.marker_table is not None:
-            with self._pooled() as connection:
-                self._raw(
-                    connection, f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()]
-                )
+            self._pooled_exec(f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()])
 
     def prepared_stats(self) -> tuple[int, float]:
         """(count, age in seconds of the oldest) of this database's prepared transactions.
 
         Every prepared transaction holds its locks and the VACUUM horizon, ours or not.
         """
-        with self._pooled() as connection:
-            rows = self._query(
-                connection,
-                "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0) "
-                "FROM pg_prepared_xacts WHERE database = current_database()",
-            )
+        rows = self._pooled_query(
+            "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0) "
+            "FROM pg_prepared_xacts WHERE database = current_database()"
+        )
         count, age = rows[0]
         return int(count), float(age)
 
@@ -403,12 +417,9 @@ class PostgresResource:
         if facts.marker_table is None:
             return False
         try:
-            with self._pooled() as connection:
-                rows = self._query(
-                    connection,
-                    f"SELECT 1 FROM {facts.marker_table} WHERE gid = %s",
-                    [xid.to_gid()],
-                )
+            rows = self._pooled_query(
+                f"SELECT 1 FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()]
+            )
         except Exception as exc:
             raise TransientError(
                 f"{self._name}: cannot read the outcome marker of {xid}: {_errors.describe(exc)}"
@@ -421,13 +432,11 @@ class PostgresResource:
         if facts.marker_table is None or now - self._last_purge < 60:
             return
         self._last_purge = now
-        with self._pooled() as connection:
-            self._raw(
-                connection,
-                f"DELETE FROM {facts.marker_table} "
-                "WHERE committed_at < now() - make_interval(secs => %s)",
-                [self._marker_retention],
-            )
+        self._pooled_exec(
+            f"DELETE FROM {facts.marker_table} "
+            "WHERE committed_at < now() - make_interval(secs => %s)",
+            [self._marker_retention],
+        )
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -436,8 +445,9 @@ class PostgresResource:
         facts = self._facts
         if facts is not None:
             return facts
-        with self._pooled() as connection:
-            try:
+
+        def look() -> _ServerFacts:
+            with self._pooled() as connection:
                 (database, role, max_prepared, schema), *_ = self._query(
                     connection,
                     "SELECT current_database(), current_user, "
@@ -453,14 +463,9 @@ class PostgresResource:
                         )
                     table = f'"{schema}"."{self._marker_name}"'
                     self._ensure_marker_table(connection, table)
-            except Exception as exc:
-                if _errors.is_unreachable(exc):
-                    raise TransientError(
-                        f"{self._name}: cannot reach PostgreSQL: {_errors.describe(exc)}"
-                    ) from exc
-                raise
-        facts = _ServerFacts(str(database), str(role), int(max_prepared), table)
-        self._facts = facts
+            return _ServerFacts(str(database), str(role), int(max_prepared), table)
+
+        facts = self._facts = self._once_more(look)
         return facts
 
     def _ensure_marker_table(self, connection: Any, table: str) -> None:
@@ -550,12 +555,41 @@ class PostgresResource:
         except BaseException as exc:
             if _errors.is_unreachable(exc):
                 raw.invalidate()
-            else:
-                with contextlib.suppress(Exception):
-                    _autocommit(raw.dbapi_connection, False)
+                self._forget_pool()
+                raise _ConnectionLost(
+                    f"{self._name}: lost the connection to PostgreSQL: {_errors.describe(exc)}"
+                ) from exc
+            with contextlib.suppress(Exception):
+                _autocommit(raw.dbapi_connection, False)
             raise
         finally:
             raw.close()
+
+    def _pooled_query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+        def work() -> list[tuple[Any, ...]]:
+            with self._pooled() as connection:
+                return self._query(connection, sql, params)
+
+        return self._once_more(work)
+
+    def _pooled_exec(self, sql: str, params: list[Any] | None = None) -> str:
+        def work() -> str:
+            with self._pooled() as connection:
+                return self._raw(connection, sql, params)
+
+        return self._once_more(work)
+
+    def _forget_pool(self) -> None:
+        """One connection found the server gone: the rest of the pool is as stale (a restart ends
+        every session), so drop them all rather than fail once per pooled connection."""
+        self.engine.dispose(close=False)
+
+    def _once_more(self, work: Callable[[], T]) -> T:
+        """Run ``work``; if its pooled connection was dead, once more on a fresh one."""
+        try:
+            return work()
+        except _ConnectionLost:
+            return work()
 
     @staticmethod
     def _raw(dbapi: Any, sql: str, params: list[Any] | None = None) -> str:
@@ -651,6 +685,10 @@ def _on_soft_rollback(session: Session, previous: Any) -> None:
     branch.failure = "the session was rolled back"
     if branch.last_error:
         branch.failure += f" after: {branch.last_error}"
+
+
+class _ConnectionLost(TransientError):
+    """A pooled connection's server went away (crashed, restarted): retried once, then raised."""
 
 
 class _UnknownGid(Exception):
