@@ -27,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import psycopg2
 
@@ -34,6 +35,9 @@ INSTALL_HINT = (
     "install the servers (Debian/Ubuntu: apt-get install postgresql redis-server) or point "
     "TWOPC_TEST_POSTGRES_URL / TWOPC_TEST_REDIS_URL at running servers"
 )
+
+
+S = TypeVar("S", bound="_Process")
 
 
 class ServerError(RuntimeError):
@@ -115,6 +119,29 @@ class _Process:
         self.directory = directory
         self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self: S) -> S:
+        raise NotImplementedError
+
+    def restart(self: S) -> S:
+        """Start again on the same data directory (after `kill9`, PostgreSQL runs crash recovery
+        and Redis replays its AOF)."""
+        if self.running:
+            self.stop()
+        return self.start()
+
+    def __enter__(self: S) -> S:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def remove(self) -> None:
+        """Stop and delete the data directory."""
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     @property
     def pid(self) -> int | None:
@@ -229,12 +256,6 @@ class PostgresServer(_Process):
         self._wait_accepting()
         return self
 
-    def restart(self) -> PostgresServer:
-        """Start again on the same data directory (after `kill9` this runs crash recovery)."""
-        if self.running:
-            self.stop()
-        return self.start()
-
     def _init(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         _chown_tree(self.directory, self.owner)
@@ -316,19 +337,6 @@ class PostgresServer(_Process):
     def drop_database(self, name: str) -> None:
         """Drop a database, first rolling back what is still prepared in it (a test's leftovers)."""
         drop_database(self.dsn("postgres"), self.dsn(name), name)
-
-    def __enter__(self) -> PostgresServer:
-        return self.start()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def remove(self) -> None:
-        """Stop and delete the data directory."""
-        self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _admin(dsn: str, *statements: str) -> list[tuple[object, ...]]:
@@ -417,22 +425,5 @@ class RedisServer(_Process):
         self._spawn(argv, self.directory / "server.log", None)
         return self
 
-    def restart(self) -> RedisServer:
-        if self.running:
-            self.stop()
-        return self.start()
-
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def remove(self) -> None:
-        self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -147,6 +147,17 @@ class _Servers:
             shutil.rmtree(self.pg_template.parent, ignore_errors=True)
 
 
+Server = TypeVar("Server", PostgresServer, RedisServer)
+
+
+def _start_shared(servers: _Servers, server: Server) -> Server:
+    servers.track(server)
+    try:
+        return server.start()
+    except ServerError as exc:
+        pytest.fail(f"could not start {server.what}: {exc}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def _servers() -> Iterator[_Servers]:
     servers = _Servers()
@@ -163,12 +174,7 @@ def pg_server(_servers: _Servers) -> PgCluster:
     if url:
         return ExternalPostgres(url)
     if find_postgres_bin() is not None:
-        server = LocalPostgres()
-        _servers.track(server)
-        try:
-            return server.start()
-        except ServerError as exc:
-            pytest.fail(f"could not start PostgreSQL: {exc}", pytrace=False)
+        return _start_shared(_servers, LocalPostgres())
     if _docker_works():
         container = _container_postgres()
         _servers.containers.append(container)
@@ -247,12 +253,7 @@ def redis_server(_servers: _Servers) -> LocalRedis | ExternalRedis:
     if url:
         return ExternalRedis(url)
     if find_redis_server() is not None:
-        server = LocalRedis()
-        _servers.track(server)
-        try:
-            return server.start()
-        except ServerError as exc:
-            pytest.fail(f"could not start redis-server: {exc}", pytrace=False)
+        return _start_shared(_servers, LocalRedis())
     if _docker_works():
         from testcontainers.redis import RedisContainer
 
