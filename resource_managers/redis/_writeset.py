@@ -1,0 +1,441 @@
+"""The staged write set of a Redis branch, and the overlay that lets its reads see it.
+
+Pure code, no I/O. An `Op` is one Redis write command as it will run at commit; the flat form
+``[command, key, nargs, arg1..argn]`` is what travels to Lua (``ARGV``) and sits in the staged
+list, so keys and values stay arbitrary bytes (no JSON, no quoting, nothing interpreted).
+
+The overlay answers a read (or computes a buffered write's redis-py-like return value) by
+replaying the branch's ops on one key over a *partial* picture of the server's value: a `View`
+holds the key's type, if known, and only the facts asked about (the string, one hash field, one
+set member, one sorted-set score, the list length). What the ops alone cannot decide stays
+`UNKNOWN`; the caller then loads those facts from the server (`Base`) and replays again, which
+always decides. Errors Redis would raise at the call (``WRONGTYPE``, not an integer, overflow,
+NaN score) are raised as `redis.ResponseError`, as redis-py would.
+
+Removing the last member of a hash, set or sorted set deletes the key in Redis, and what the
+branch does next may depend on that (``set(nx=True)``, a command of another type). So for a key
+that loses members somewhere in the branch, `queries_for` asks for the collection's size and for
+every member the branch touches, which lets the replay count exactly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from redis.exceptions import ResponseError
+
+from coordinator import ProgrammingError
+
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
+UINT64_MAX: Final = 2**64 - 1
+#: ``unpack`` in Redis's Lua 5.1 fails beyond ~8000 values. Variadic commands are sent in chunks;
+#: XADD cannot be split, so its arguments stay below this
+MAX_COMMAND_ARGS: Final = 6000
+#: longest EXPIRE / SET EX accepted, so that "now + ttl" can never overflow inside Redis
+MAX_TTL_SECONDS: Final = 10**10
+
+WRONGTYPE: Final = "WRONGTYPE Operation against a key holding the wrong kind of value"
+# as redis-py words them: it drops the "ERR " that Redis puts in front
+NOT_INTEGER: Final = "value is not an integer or out of range"
+HASH_NOT_INTEGER: Final = "hash value is not an integer"
+OVERFLOW: Final = "increment or decrement would overflow"
+NAN_SCORE: Final = "resulting score is not a number (NaN)"
+
+_INT_TEXT = re.compile(rb"-?[1-9][0-9]{0,18}\Z|0\Z")
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})\Z")
+
+
+class _Unknown:
+    """What the branch's own ops cannot tell; the server must be asked."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN: Final = _Unknown()
+
+#: A fact about one key: ("S", b"") its string, ("F", field), ("M", member) set membership,
+#: ("Z", member) sorted-set score, ("L", b"") list length.
+Query = tuple[str, bytes]
+STRING: Final[Query] = ("S", b"")
+LENGTH: Final[Query] = ("L", b"")
+#: the number of fields or members of a hash, set or sorted set
+SIZE: Final[Query] = ("N", b"")
+_FACT_TYPE: Final = {"S": "string", "F": "hash", "M": "set", "Z": "zset", "L": "list"}
+_EMPTY: Final[dict[str, Any]] = {"S": None, "F": None, "M": False, "Z": None, "L": 0, "N": 0}
+_COLLECTIONS: Final = ("hash", "set", "zset")
+_REMOVALS: Final = ("HDEL", "SREM", "ZREM")
+
+
+# -- arguments --------------------------------------------------------------------------------
+
+
+def encode(value: object, what: str = "value") -> bytes:
+    """bytes as they are, str as UTF-8, int and float as redis-py writes them; nothing else."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bool):  # an int, but redis-py refuses it and so do we
+        raise ProgrammingError(f"a bool is not a valid Redis {what}; convert it explicitly")
+    if isinstance(value, int):
+        return str(value).encode()
+    if isinstance(value, float):
+        return repr(value).encode()
+    raise ProgrammingError(f"invalid Redis {what} of type {type(value).__name__}")
+
+
+def int64(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProgrammingError(f"{what} must be an int, not {type(value).__name__}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ProgrammingError(f"{what} {value} is outside the signed 64-bit range")
+    return value
+
+
+def seconds(value: object, what: str) -> int:
+    if isinstance(value, datetime.timedelta):
+        value = int(value.total_seconds())
+    number = int64(value, what)
+    if abs(number) > MAX_TTL_SECONDS:
+        raise ProgrammingError(f"{what} {number} is too large (at most {MAX_TTL_SECONDS} s)")
+    return number
+
+
+def milliseconds(value: object, what: str) -> int:
+    if isinstance(value, datetime.timedelta):
+        value = int(value.total_seconds() * 1000)
+    number = int64(value, what)
+    if abs(number) > MAX_TTL_SECONDS * 1000:
+        raise ProgrammingError(f"{what} {number} is too large (at most {MAX_TTL_SECONDS} s)")
+    return number
+
+
+def score(value: object, what: str = "score") -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProgrammingError(f"{what} must be a number, not {type(value).__name__}")
+    number = float(value)
+    if math.isnan(number):
+        raise ProgrammingError(f"{what} must not be NaN")
+    return number
+
+
+def stream_id(value: object) -> bytes:
+    """``*`` or a complete ``<ms>-<seq>`` id, made canonical so Lua can compare it as text."""
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if text == "*":
+        return b"*"
+    match = _STREAM_ID.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ProgrammingError(
+            f"stream id {value!r}: use '*' or a complete '<ms>-<seq>' id (partial ids such as "
+            "'<ms>-*' are not supported in a branch)"
+        )
+    ms, seq = int(match.group(1)), int(match.group(2))
+    if ms > UINT64_MAX or seq > UINT64_MAX or (ms, seq) in ((0, 0), (UINT64_MAX, UINT64_MAX)):
+        raise ProgrammingError(f"stream id {text} is out of range")
+    return f"{ms}-{seq}".encode()
+
+
+def nonempty(items: Sequence[bytes], what: str) -> tuple[bytes, ...]:
+    if not items:
+        raise ProgrammingError(f"{what} needs at least one argument")
+    return tuple(items)
+
+
+def pairs(mapping: Mapping[Any, Any] | Iterable[tuple[Any, Any]], what: str) -> tuple[bytes, ...]:
+    items = mapping.items() if isinstance(mapping, Mapping) else mapping
+    flat: list[bytes] = []
+    for name, value in items:
+        flat += [encode(name, "field"), encode(value)]
+    return nonempty(flat, what)
+
+
+# -- the write set ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One Redis write command, exactly as the commit script will run it."""
+
+    cmd: str
+    key: bytes
+    args: tuple[bytes, ...] = ()
+
+    def flat(self) -> list[bytes]:
+        return [self.cmd.encode(), self.key, str(len(self.args)).encode(), *self.args]
+
+    def set_flags(self) -> tuple[bool, bool]:
+        """(nx, xx) of a SET; its flags follow the value."""
+        flags = self.args[1:]
+        return b"NX" in flags, b"XX" in flags
+
+    def expire_seconds(self) -> int:
+        return int(self.args[0])
+
+
+def flatten(ops: Iterable[Op]) -> list[bytes]:
+    out: list[bytes] = []
+    for op in ops:
+        out += op.flat()
+    return out
+
+
+# -- the overlay --------------------------------------------------------------------------------
+
+
+@dataclass
+class Base:
+    """What the server held for one key when it was read: its type and some facts."""
+
+    kind: str
+    facts: dict[Query, Any] = field(default_factory=dict)
+
+    def covers(self, queries: Iterable[Query]) -> bool:
+        return all(q in self.facts for q in queries)
+
+
+@dataclass
+class View:
+    """A key's state after replaying ops: ``kind`` None while unknown, facts possibly UNKNOWN."""
+
+    kind: str | None
+    facts: dict[Query, Any]
+
+    @classmethod
+    def start(cls, queries: Iterable[Query], base: Base | None) -> View:
+        if base is None:
+            return cls(None, dict.fromkeys(queries, UNKNOWN))
+        facts = {}
+        for q in queries:
+            matches = base.kind in _COLLECTIONS if q == SIZE else base.kind == _FACT_TYPE[q[0]]
+            facts[q] = base.facts.get(q, UNKNOWN) if matches else _EMPTY[q[0]]
+        return cls(base.kind, facts)
+
+    def get(self, query: Query) -> Any:
+        return self.facts.get(query, UNKNOWN)
+
+    def put(self, query: Query, value: Any) -> None:
+        if query in self.facts:
+            self.facts[query] = value
+
+    def reset(self, kind: str | None) -> None:
+        """The key was replaced (SET, DEL): nothing of its old content is left."""
+        self.kind = kind
+        for query in self.facts:
+            self.facts[query] = UNKNOWN if kind is None else _EMPTY[query[0]]
+
+    def require(self, kind: str) -> None:
+        if self.kind not in (None, "none", kind):
+            raise ResponseError(WRONGTYPE)
+
+    def exists(self) -> Any:
+        return UNKNOWN if self.kind is None else self.kind != "none"
+
+    def answer(self, query: Query) -> Any:
+        """The fact as a read would see it: WRONGTYPE if the key holds another type."""
+        wanted = _FACT_TYPE[query[0]]
+        if self.kind == "none":
+            return _EMPTY[query[0]]
+        if self.kind is not None and self.kind != wanted:
+            raise ResponseError(WRONGTYPE)
+        if self.kind is None and query[0] in ("S", "L"):
+            return UNKNOWN
+        return self.get(query)
+
+
+def result_queries(op: Op) -> list[Query]:
+    """The facts a write's return value depends on (besides the key's type)."""
+    cmd, args = op.cmd, op.args
+    if cmd == "INCRBY":
+        return [STRING]
+    if cmd == "HSET":
+        return [("F", f) for f in args[0::2]]
+    if cmd == "HDEL":
+        return [("F", f) for f in args]
+    if cmd == "HINCRBY":
+        return [("F", args[0])]
+    if cmd in ("SADD", "SREM"):
+        return [("M", m) for m in args]
+    if cmd == "ZADD":
+        return [("Z", m) for m in args[1::2]]
+    if cmd == "ZREM":
+        return [("Z", m) for m in args]
+    if cmd == "ZINCRBY":
+        return [("Z", args[1])]
+    if cmd in ("LPUSH", "RPUSH"):
+        return [LENGTH]
+    return []
+
+
+def queries_for(ops: Sequence[Op], queries: Iterable[Query]) -> list[Query]:
+    """``queries``, plus what exact counting needs when members of this key are removed."""
+    wanted = list(queries)
+    if any(op.cmd in _REMOVALS for op in ops):
+        wanted.append(SIZE)
+        for op in ops:
+            wanted += [q for q in result_queries(op) if q[0] in "FMZ"]
+    return list(dict.fromkeys(wanted))
+
+
+def replay(ops: Iterable[Op], queries: Iterable[Query], base: Base | None) -> View:
+    view = View.start(queries, base)
+    for op in ops:
+        step(view, op)
+    return view
+
+
+def _count(values: Iterable[Any]) -> Any:
+    total = 0
+    for value in values:
+        if value is UNKNOWN:
+            return UNKNOWN
+        total += int(value)
+    return total
+
+
+def _add_int(current: Any, amount: int, not_integer: str) -> Any:
+    if current is UNKNOWN:
+        return UNKNOWN
+    if current is None:
+        current = b"0"
+    if not _INT_TEXT.match(current) or not INT64_MIN <= int(current) <= INT64_MAX:
+        raise ResponseError(not_integer)
+    new = int(current) + amount
+    if not INT64_MIN <= new <= INT64_MAX:
+        raise ResponseError(OVERFLOW)
+    return new
+
+
+def step(view: View, op: Op) -> Any:
+    """Apply ``op`` to ``view``; return redis-py's answer to it, or UNKNOWN."""
+    cmd, args = op.cmd, op.args
+    if cmd == "SET":
+        nx, xx = op.set_flags()
+        if nx or xx:
+            existed = view.exists()
+            if existed is UNKNOWN:
+                view.reset(None)
+                return UNKNOWN
+            if (nx and existed) or (xx and not existed):
+                return None
+        view.reset("string")
+        view.put(STRING, args[0])
+        return True
+    if cmd == "DEL":
+        existed = view.exists()
+        view.reset("none")
+        return UNKNOWN if existed is UNKNOWN else int(existed)
+    if cmd == "EXPIRE":
+        existed = view.exists()
+        if op.expire_seconds() <= 0:  # Redis deletes the key at once
+            view.reset("none")
+        return existed
+    if cmd == "INCRBY":
+        view.require("string")
+        current = None if view.kind == "none" else view.get(STRING)
+        if view.kind is None:
+            current = UNKNOWN
+        new = _add_int(current, int(args[0]), NOT_INTEGER)
+        if view.kind != "string":
+            view.reset("string")
+        view.put(STRING, UNKNOWN if new is UNKNOWN else str(new).encode())
+        return new
+    return _collection_step(view, op)
+
+
+def _counted(view: View, existed: Any, adding: bool) -> Any:
+    """Keep the collection's size as members come and go; returns whether it changed."""
+    size = view.get(SIZE)
+    if existed is UNKNOWN:
+        view.put(SIZE, UNKNOWN)
+        return UNKNOWN
+    changed = bool(existed) != adding
+    if changed and size is not UNKNOWN:
+        view.put(SIZE, size + (1 if adding else -1))
+    return changed
+
+
+def _after_removal(view: View) -> None:
+    """Redis deletes a collection with its last member; if the size is unknown, so is the type."""
+    size = view.get(SIZE)
+    if size is UNKNOWN:
+        view.kind = None
+    elif size == 0:
+        view.reset("none")
+
+
+def _collection_step(view: View, op: Op) -> Any:  # noqa: PLR0912
+    cmd, args = op.cmd, op.args
+    kind = {"H": "hash", "S": "set", "Z": "zset", "L": "list", "R": "list", "X": "stream"}[cmd[0]]
+    view.require(kind)
+    was_none = view.kind == "none"
+    if cmd in _REMOVALS:
+        if was_none:
+            return 0
+        query_kind = {"HDEL": "F", "SREM": "M", "ZREM": "Z"}[cmd]
+        gone = []
+        for member in args:
+            query = (query_kind, member)
+            before = view.get(query)
+            # identity, not equality: a score of 0.0 == False, and it exists
+            existed = UNKNOWN if before is UNKNOWN else before is not None and before is not False
+            gone.append(_counted(view, existed, adding=False))
+            view.put(query, False if query_kind == "M" else None)
+        _after_removal(view)
+        return _count(gone)
+    view.kind = kind  # the others create the key; a wrong type is caught above or at prepare
+    if cmd == "HSET":
+        new = []
+        for name, value in zip(args[0::2], args[1::2], strict=True):
+            before = view.get(("F", name))
+            new.append(_counted(view, UNKNOWN if before is UNKNOWN else before is not None, True))
+            view.put(("F", name), value)
+        return _count(new)
+    if cmd == "HINCRBY":
+        query = ("F", args[0])
+        before = view.get(query)
+        new_value = _add_int(before, int(args[1]), HASH_NOT_INTEGER)
+        _counted(view, UNKNOWN if before is UNKNOWN else before is not None, True)
+        view.put(query, UNKNOWN if new_value is UNKNOWN else str(new_value).encode())
+        return new_value
+    if cmd == "SADD":
+        added = []
+        for member in args:
+            before = view.get(("M", member))
+            added.append(_counted(view, before, adding=True))
+            view.put(("M", member), True)
+        return _count(added)
+    if cmd == "ZADD":
+        new = []
+        for value, member in zip(args[0::2], args[1::2], strict=True):
+            before = view.get(("Z", member))
+            new.append(_counted(view, UNKNOWN if before is UNKNOWN else before is not None, True))
+            view.put(("Z", member), float(value))
+        return _count(new)
+    if cmd == "ZINCRBY":
+        query = ("Z", args[1])
+        current = view.get(query)
+        if current is UNKNOWN:
+            view.put(SIZE, UNKNOWN)
+            return UNKNOWN
+        total = (current or 0.0) + float(args[0])
+        if math.isnan(total):
+            raise ResponseError(NAN_SCORE)
+        _counted(view, current is not None, adding=True)
+        view.put(query, total)
+        return total
+    if cmd in ("LPUSH", "RPUSH"):
+        length = view.get(LENGTH)
+        length = UNKNOWN if length is UNKNOWN else length + len(args)
+        view.put(LENGTH, length)
+        return length
+    return None  # XADD: the id is assigned when the commit script runs

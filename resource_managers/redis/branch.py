@@ -1,0 +1,286 @@
+"""`RedisBranch`: what ``tx.join(redis_resource)`` hands the application.
+
+A redis-py-like subset of commands. Writes are buffered in the branch and reach Redis only when
+the transaction commits; reads go to the server and see the branch's own buffered writes. A
+write returns what redis-py would return when that can be computed; when it depends on the
+server's data (``incrby``'s new value, how many members ``sadd`` added, whether ``set(nx=True)``
+applied) the branch reads the key once and *watches* it, so a change by anyone before prepare
+makes the branch vote no instead of committing on a value the application never saw. With
+``RedisResource(blind_writes=True)`` writes neither read nor watch and return None (``set``:
+True): the fast path for counters many transactions update at once.
+
+``watch(key)`` works like Redis's ``WATCH``: call it *before* reading a key whose value decides
+what the branch writes; if the key changes before prepare, the branch votes no.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ResponseError
+
+from coordinator import IllegalStateError, ProgrammingError, Xid
+
+from . import _writeset as ws
+from ._writeset import STRING, UNKNOWN, Base, Op, Query
+
+if TYPE_CHECKING:
+    from .resource import RedisResource
+
+#: a branch's life: ACTIVE (work) -> PREPARING (a script may be on its way) -> ENDED, or
+#: ACTIVE -> FAILED (voted no before anything reached Redis) -> ENDED
+ACTIVE, PREPARING, FAILED, ENDED = "active", "preparing", "failed", "ended"
+_PHASE_TEXT = {PREPARING: "being prepared", FAILED: "voting no", ENDED: "finished"}
+
+
+class RedisBranch:
+    """One transaction's work on one Redis (or one hash slot of a cluster)."""
+
+    def __init__(self, resource: RedisResource, xid: Xid) -> None:
+        self._resource = resource
+        self.xid = xid
+        self.gid = xid.to_gid()
+        self.ops: list[Op] = []
+        self._by_key: dict[bytes, list[Op]] = {}
+        self.watches: dict[bytes, bytes] = {}  # key -> fingerprint (sha1 of DUMP, or b"")
+        self._bases: dict[bytes, Base] = {}  # what was read of watched keys
+        self.doomed: str | None = None  # why prepare must vote no, found before prepare
+        self.phase = ACTIVE
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<RedisBranch {self.xid.gtrid} on {self._resource.name}: {len(self.ops)} writes>"
+
+    # -- strings -----------------------------------------------------------------------------------
+
+    def get(self, name: Any) -> Any:
+        return self._read(name, STRING)
+
+    def set(
+        self,
+        name: Any,
+        value: Any,
+        ex: Any = None,
+        px: Any = None,
+        *,
+        nx: bool = False,
+        xx: bool = False,
+    ) -> bool | None:
+        """Buffer a SET. True, or None when ``nx``/``xx`` keeps it from applying."""
+        if nx and xx:
+            raise ProgrammingError("set: nx and xx are mutually exclusive")
+        if ex is not None and px is not None:
+            raise ProgrammingError("set: give ex or px, not both")
+        args = [ws.encode(value)]
+        if nx or xx:
+            args.append(b"NX" if nx else b"XX")
+        for flag, ttl, convert in ((b"EX", ex, ws.seconds), (b"PX", px, ws.milliseconds)):
+            if ttl is not None:
+                number = convert(ttl, f"set {flag.decode().lower()}")
+                if number <= 0:
+                    raise ProgrammingError(f"set: {flag.decode().lower()} must be positive")
+                args += [flag, str(number).encode()]
+        result = self._write(Op("SET", self._key(name), tuple(args)))
+        if self._blind:
+            return None if nx or xx else True
+        return bool(result) or None
+
+    def delete(self, *names: Any) -> int | None:
+        keys = [self._key(name) for name in ws.nonempty(names, "delete")]
+        results = [self._write(Op("DEL", key)) for key in keys]
+        return None if self._blind else sum(results)
+
+    def incrby(self, name: Any, amount: int = 1) -> int | None:
+        amount = ws.int64(amount, "incrby amount")
+        return _int(self._write(Op("INCRBY", self._key(name), (str(amount).encode(),))))
+
+    def decrby(self, name: Any, amount: int = 1) -> int | None:
+        return self.incrby(name, -ws.int64(amount, "decrby amount"))
+
+    def expire(self, name: Any, time: Any) -> bool | None:
+        """Buffer an EXPIRE in seconds; the time to live starts when the branch commits."""
+        number = ws.seconds(time, "expire time")
+        result = self._write(Op("EXPIRE", self._key(name), (str(number).encode(),)))
+        return None if result is None else bool(result)
+
+    # -- hashes ------------------------------------------------------------------------------------
+
+    def hget(self, name: Any, key: Any) -> Any:
+        return self._read(name, ("F", ws.encode(key, "field")))
+
+    def hset(
+        self,
+        name: Any,
+        key: Any = None,
+        value: Any = None,
+        mapping: Mapping[Any, Any] | None = None,
+    ) -> int | None:
+        items: list[tuple[Any, Any]] = [] if key is None else [(key, value)]
+        items += list((mapping or {}).items())
+        return _int(self._write(Op("HSET", self._key(name), ws.pairs(items, "hset"))))
+
+    def hdel(self, name: Any, *keys: Any) -> int | None:
+        fields = ws.nonempty([ws.encode(k, "field") for k in keys], "hdel")
+        return _int(self._write(Op("HDEL", self._key(name), fields)))
+
+    def hincrby(self, name: Any, key: Any, amount: int = 1) -> int | None:
+        amount = ws.int64(amount, "hincrby amount")
+        args = (ws.encode(key, "field"), str(amount).encode())
+        return _int(self._write(Op("HINCRBY", self._key(name), args)))
+
+    # -- sets and sorted sets ----------------------------------------------------------------------
+
+    def sadd(self, name: Any, *values: Any) -> int | None:
+        members = ws.nonempty([ws.encode(v) for v in values], "sadd")
+        return _int(self._write(Op("SADD", self._key(name), members)))
+
+    def srem(self, name: Any, *values: Any) -> int | None:
+        members = ws.nonempty([ws.encode(v) for v in values], "srem")
+        return _int(self._write(Op("SREM", self._key(name), members)))
+
+    def sismember(self, name: Any, value: Any) -> int:
+        return int(bool(self._read(name, ("M", ws.encode(value)))))
+
+    def zadd(self, name: Any, mapping: Mapping[Any, Any]) -> int | None:
+        args: list[bytes] = []
+        for member, score in mapping.items():
+            args += [repr(ws.score(score)).encode(), ws.encode(member)]
+        return _int(self._write(Op("ZADD", self._key(name), ws.nonempty(args, "zadd"))))
+
+    def zrem(self, name: Any, *values: Any) -> int | None:
+        members = ws.nonempty([ws.encode(v) for v in values], "zrem")
+        return _int(self._write(Op("ZREM", self._key(name), members)))
+
+    def zincrby(self, name: Any, amount: float, value: Any) -> float | None:
+        args = (repr(ws.score(amount, "zincrby amount")).encode(), ws.encode(value))
+        result = self._write(Op("ZINCRBY", self._key(name), args))
+        return None if result is None else float(result)
+
+    # -- lists and streams -------------------------------------------------------------------------
+
+    def lpush(self, name: Any, *values: Any) -> int | None:
+        items = ws.nonempty([ws.encode(v) for v in values], "lpush")
+        return _int(self._write(Op("LPUSH", self._key(name), items)))
+
+    def rpush(self, name: Any, *values: Any) -> int | None:
+        items = ws.nonempty([ws.encode(v) for v in values], "rpush")
+        return _int(self._write(Op("RPUSH", self._key(name), items)))
+
+    def xadd(self, name: Any, fields: Mapping[Any, Any], id: Any = "*") -> None:
+        """Buffer an XADD. Returns None: with ``id="*"`` Redis assigns the id when the commit
+        script runs, so it cannot be known before. An explicit ``<ms>-<seq>`` id must be greater
+        than the stream's last id at commit, as Redis requires (checked at prepare)."""
+        args = (ws.stream_id(id), *ws.pairs(fields, "xadd"))
+        if len(args) > ws.MAX_COMMAND_ARGS:
+            raise ProgrammingError(f"xadd: at most {ws.MAX_COMMAND_ARGS // 2} fields per entry")
+        key = self._key(name)
+        if args[0] != b"*" and any(
+            op.cmd == "XADD" and op.args[0] == b"*" for op in self._by_key.get(key, ())
+        ):
+            raise ProgrammingError(
+                "xadd: an explicit id after an automatic one on the same stream in one branch "
+                "cannot be checked before commit; use one kind of id per stream and branch"
+            )
+        self._write(Op("XADD", key, args))
+
+    # -- watches -----------------------------------------------------------------------------------
+
+    def watch(self, *names: Any) -> None:
+        """Vote no at prepare if any of these keys changes from now on (by anyone, twopc or not).
+
+        Watched keys are also locked at prepare, so no other twopc branch can change them
+        between this branch's prepare and its commit.
+        """
+        for name in ws.nonempty(names, "watch"):
+            key = self._key(name)
+            if key not in self.watches:
+                self._load(key, [], watch=True)
+
+    # -- the overlay -------------------------------------------------------------------------------
+
+    @property
+    def _blind(self) -> bool:
+        return self._resource.blind_writes
+
+    def _key(self, name: Any) -> bytes:
+        self.check_active()
+        return self._resource.data_key(name)
+
+    def check_active(self) -> None:
+        if self.phase != ACTIVE:
+            raise IllegalStateError(
+                f"{self._resource.name}: branch {self.xid.gtrid} takes no more commands: "
+                f"it is {_PHASE_TEXT[self.phase]}"
+            )
+
+    def _read(self, name: Any, query: Query) -> Any:
+        key = self._key(name)
+        ops = self._by_key.get(key, [])
+        if not ops and key not in self.watches:
+            return self._resource.decode(self._resource.read_now(key, query))
+        queries = ws.queries_for(ops, [query])
+        view = ws.replay(ops, queries, self._cached(key, queries))
+        answer = view.answer(query)
+        if answer is UNKNOWN:
+            view = ws.replay(ops, queries, self._load(key, queries, watch=False))
+            answer = view.answer(query)
+        if query[0] in "MZL":
+            return answer
+        return self._resource.decode(answer)
+
+    def _write(self, op: Op) -> Any:
+        self.check_active()
+        if not self._blind:
+            ops = self._by_key.get(op.key, [])
+            queries = ws.queries_for([*ops, op], ws.result_queries(op))
+            result = ws.step(ws.replay(ops, queries, self._cached(op.key, queries)), op)
+            if result is UNKNOWN:  # depends on the server: read it now, and watch the key
+                watched = op.key in self.watches
+                base = self._load(op.key, queries, watch=True)
+                try:
+                    result = ws.step(ws.replay(ops, queries, base), op)
+                except ResponseError:
+                    if not watched:  # the call is refused: it leaves nothing behind
+                        self.watches.pop(op.key, None)
+                        self._bases.pop(op.key, None)
+                    raise
+        else:
+            result = None
+        self.ops.append(op)
+        self._by_key.setdefault(op.key, []).append(op)
+        return result
+
+    def _cached(self, key: bytes, queries: list[Query]) -> Base | None:
+        base = self._bases.get(key)
+        return base if base is not None and base.covers(queries) else None
+
+    def _load(self, key: bytes, queries: list[Query], *, watch: bool) -> Base:
+        """Read ``queries`` of ``key`` from the server; a watch fingerprints it in the same
+        script, so the facts and the fingerprint describe the same instant."""
+        fingerprint = watch and key not in self.watches
+        base, seen = self._resource.read_facts(key, queries, fingerprint)
+        if fingerprint:
+            self.watches[key] = seen
+            self._bases[key] = base
+        elif key in self.watches:
+            known = self._bases.setdefault(key, Base(base.kind))
+            if known.kind != base.kind:
+                self.doomed = f"watched key {key!r} changed type since it was read"
+            known.facts.update(base.facts)
+        return base
+
+    def plan(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """(keys to lock, watch arguments, the flat write set) for the scripts."""
+        touched = list(dict.fromkeys([*self._by_key, *self.watches]))
+        index = {key: i for i, key in enumerate(touched, 1)}
+        watch_args: list[bytes] = []
+        for key, fingerprint in self.watches.items():
+            watch_args += [str(index[key]).encode(), fingerprint]
+        return touched, watch_args, ws.flatten(self.ops)
+
+
+def _int(result: Any) -> int | None:
+    """A count or a new value as redis-py returns it; None from a blind write."""
+    return None if result is None else int(result)

@@ -1,0 +1,34 @@
+-- commit: apply a prepared branch's staged write set, release its locks, leave a marker.
+-- KEYS: 1 tx hash, 2 ws list, 3 prepared zset, 4 .. 3+n lock keys, 4+n .. 3+2n data keys
+-- ARGV: 1 gid, 2 prefix, 3 tombstone ttl (s)
+-- Reply: {'OK'} | {'STATE', state or ''} | {'KEYS'} (KEYS do not match the staged set)
+--        | {'BROKEN', key, message} (someone made the write set invalid; nothing written)
+--        | {'LOST', what} (the staged set is missing or malformed)
+local gid, prefix, ttl = ARGV[1], ARGV[2], ARGV[3]
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'prepared' then return {'STATE', state or ''} end
+local ws = redis.call('LRANGE', KEYS[2], 0, -1)
+local n, first = header(ws)
+if n == nil then return {'LOST', 'the staged write set is missing or malformed'} end
+if check_layout(3, n, prefix) then return {'KEYS'} end
+for i = 1, n do
+  if KEYS[3 + n + i] ~= ws[2 + i] then return {'KEYS'} end
+end
+local ops, err = parse(ws, first, #ws, key_set(3 + n, n))
+if not ops then return {'LOST', err} end
+local index, key, message = validate(ops)
+local now = now_ms()
+release(3, n, gid)
+redis.call('DEL', KEYS[2])
+if index then
+  -- a writer outside twopc changed a key so that a command would fail half-way: apply nothing
+  redis.call('HSET', KEYS[1], 'state', 'aborted', 'ts', now, 'reason',
+    'commit found ' .. key .. ': ' .. message)
+else
+  apply(ops)
+  redis.call('HSET', KEYS[1], 'state', 'committed', 'ts', now)
+end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('ZREM', KEYS[3], gid)
+if index then return {'BROKEN', key, message} end
+return {'OK'}

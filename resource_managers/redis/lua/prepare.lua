@@ -1,0 +1,34 @@
+-- prepare: make the branch's write set durable and promise to commit it.
+-- KEYS: 1 tx hash, 2 ws list, 3 prepared zset, 4 .. 3+n lock keys, 4+n .. 3+2n data keys
+-- ARGV: 1 gid, 2 prefix, 3 n, 4 number of watches, then (data key index, fingerprint) per
+--       watch, then the write set
+-- Reply: {'OK'} | {'STATE', state} | {'CHANGED', key} | {'LOCKED', key, owner}
+--        | {'INVALID', key, message} | {'BAD', what}
+local gid, prefix, n, watches = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'prepared' then return {'OK'} end -- a repeated prepare (its answer was lost)
+if state then return {'STATE', state} end -- 'aborted': the tombstone refuses a late prepare
+local bad = check_layout(3, n, prefix)
+if bad then return {'BAD', bad} end
+local changed = changed_watch(5, watches, 3 + n)
+if changed then return {'CHANGED', changed} end
+for i = 1, n do
+  local owner = redis.call('GET', KEYS[3 + i])
+  if owner and owner ~= gid then return {'LOCKED', KEYS[3 + n + i], owner} end
+end
+local first = 5 + 2 * watches
+local ops, err = parse(ARGV, first, #ARGV, key_set(3 + n, n))
+if not ops then return {'BAD', err} end
+local index, key, message = validate(ops)
+if index then return {'INVALID', key, message} end
+-- every check passed: from here on, only writes that cannot fail
+for i = 1, n do redis.call('SET', KEYS[3 + i], gid) end
+redis.call('DEL', KEYS[2])
+local head = {MAGIC, tostring(n)}
+for i = 1, n do head[2 + i] = KEYS[3 + n + i] end
+push(KEYS[2], head, 1, #head)
+push(KEYS[2], ARGV, first, #ARGV)
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'state', 'prepared', 'ts', now)
+redis.call('ZADD', KEYS[3], now, gid)
+return {'OK'}
