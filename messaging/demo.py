@@ -1,16 +1,23 @@
-"""``twopc demo``: move money between two PostgreSQL databases atomically, crash, recover, audit.
+"""``twopc demo``: move money between PostgreSQL and Redis atomically, crash, recover, audit.
 
-A child process (``python -m messaging.demo child``) moves money from ``bank_a`` to ``bank_b``,
-one transaction per transfer, with a `TransactionManager`, a file decision log and two
-`PostgresResource` branches. It is killed with SIGKILL at a named crash point after the commit
-decision; by default ``tm.after_commit.1:7``, so transfer 7 is committed in bank_a and only
-prepared in bank_b. The parent shows that state as PostgreSQL and the log hold it, runs recovery
-in a new manager as a restarted service would, and audits both databases.
+Accounts alice, bob and carol live in a PostgreSQL table; dave, erin and frank are Redis strings.
+A child process (``python -m messaging.demo child``) makes one transaction per transfer with a
+`TransactionManager`, a file decision log, a `PostgresResource` named ``postgres`` and a
+`RedisResource` named ``redis``: odd transfers move money from PostgreSQL to Redis, even ones
+back. Each side also records the transfer (a ``transfers`` row; an entry in the Redis stream
+``bank:ledger``). Branches prepare and commit in name order, ``postgres`` before ``redis``, so the
+default crash point ``tm.after_commit.1:7`` kills the child with transfer 7 committed in
+PostgreSQL and only prepared in Redis: its credit staged under the gid, its keys locked. The
+parent shows that state as Redis, PostgreSQL and the log hold it, runs recovery in a new manager
+as a restarted service would, and audits both stores.
 
-The server, first match wins: ``TWOPC_DEMO_POSTGRES_URL`` (a role that may create databases; two
-fresh ones are created and dropped again), a throwaway cluster from local binaries, a Docker
-container through testcontainers. SQLAlchemy, psycopg2 and the server helpers are imported only
-when the demo runs (hence the ``noqa: PLC0415``), so ``twopc`` loads without the postgres extra.
+PostgreSQL, first match wins: ``TWOPC_DEMO_POSTGRES_URL`` (a role that may create databases; a
+fresh one is created and dropped again), a throwaway cluster from local binaries, a Docker
+container through testcontainers. Redis: ``TWOPC_DEMO_REDIS_URL`` (keys under a random prefix,
+deleted again; the server must keep a prepare across a crash), else a throwaway ``redis-server``
+from local binaries with ``appendonly yes`` and ``appendfsync always``. SQLAlchemy, psycopg2,
+redis-py and the server helpers are imported only when the demo runs (hence the ``noqa:
+PLC0415``), so ``twopc`` loads without the extras.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from coordinator import (
     FORMAT_ID,
@@ -45,9 +53,15 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import URL, Engine
     from sqlalchemy.orm import Session
 
+    from resource_managers.redis import RedisBranch, RedisResource
+
 URL_ENV = "TWOPC_DEMO_POSTGRES_URL"
+REDIS_URL_ENV = "TWOPC_DEMO_REDIS_URL"
 NODE_ID = "demo-1"
-ACCOUNTS = {"bank_a": ("alice", "bob", "carol"), "bank_b": ("dave", "erin", "frank")}
+# Do not rename: phases run in ascending name order, and "postgres" < "redis" is what makes
+# tm.after_commit.1 leave PostgreSQL committed and Redis prepared.
+PG, REDIS = "postgres", "redis"
+ACCOUNTS = {PG: ("alice", "bob", "carol"), REDIS: ("dave", "erin", "frank")}
 OPENING = 1_000
 NEEDS = (
     "no PostgreSQL server found. Install PostgreSQL (Debian/Ubuntu: "
@@ -56,12 +70,17 @@ NEEDS = (
     f"postgres:16 through testcontainers), or set {URL_ENV} to a server whose role may create "
     "databases and whose max_prepared_transactions is above 0."
 )
+REDIS_NEEDS = (
+    "no redis-server found. Install Redis (Debian/Ubuntu: apt-get install redis-server; macOS: "
+    f"brew install redis) so that redis-server is on PATH, or set {REDIS_URL_ENV} to a server "
+    "with appendonly yes, appendfsync always and maxmemory-policy noeviction."
+)
 
 
 def register(sub: Any) -> None:
     """Entry point of the ``twopc.commands`` group."""
     p = sub.add_parser(
-        "demo", help="transfers between two PostgreSQL databases, a crash, recovery, an audit"
+        "demo", help="transfers between PostgreSQL and Redis, a crash, recovery, an audit"
     )
     p.add_argument(
         "--transfers", type=int, default=10, metavar="N", help="transfers to attempt (default 10)"
@@ -72,7 +91,7 @@ def register(sub: Any) -> None:
         metavar="NAME[:NTH]",
         help="crash point that kills the service (default tm.after_commit.1:7)",
     )
-    p.add_argument("--keep", action="store_true", help="keep the databases and the log; print them")
+    p.add_argument("--keep", action="store_true", help="keep the servers and the log; print them")
     p.set_defaults(func=run)
 
 
@@ -83,7 +102,7 @@ def _say(**event: Any) -> None:
     print(json.dumps(event), flush=True)
 
 
-def _move(db: Session, gtrid: str, account: str, delta: int) -> None:
+def _pg_move(db: Session, gtrid: str, account: str, delta: int) -> None:
     from sqlalchemy import text  # noqa: PLC0415
 
     db.execute(
@@ -96,23 +115,37 @@ def _move(db: Session, gtrid: str, account: str, delta: int) -> None:
     )
 
 
+def _redis_move(r: RedisBranch, keys: str, gtrid: str, account: str, delta: int) -> None:
+    # buffered until commit; the ledger entry's id is assigned when the commit script runs
+    r.incrby(f"{keys}balance:{account}", delta)
+    r.xadd(f"{keys}ledger", {"gtrid": gtrid, "account": account, "delta": delta})
+
+
 def run_child(spec: dict[str, Any]) -> int:
     """One transfer per transaction; an event line before each commit and after its answer."""
+    import redis  # noqa: PLC0415
     from sqlalchemy import create_engine  # noqa: PLC0415
 
     from resource_managers.postgres import PostgresResource  # noqa: PLC0415
+    from resource_managers.redis import RedisResource  # noqa: PLC0415
 
-    a, b = (PostgresResource(create_engine(spec["urls"][n]), name=n) for n in ACCOUNTS)
+    pg = PostgresResource(create_engine(spec["pg_url"]), name=PG)
+    client = redis.Redis.from_url(spec["redis_url"])
+    cache = RedisResource(client, name=REDIS, namespace=spec["namespace"])
     rng = random.Random(7)
-    with TransactionManager(NODE_ID, FileDecisionLog(spec["log"]), [a, b]) as tm:
+    with TransactionManager(NODE_ID, FileDecisionLog(spec["log"]), [pg, cache]) as tm:
         for n in range(1, spec["transfers"] + 1):
             amount = rng.randint(1, 50)
-            src, dst = rng.choice(ACCOUNTS["bank_a"]), rng.choice(ACCOUNTS["bank_b"])
+            pg_account, redis_account = rng.choice(ACCOUNTS[PG]), rng.choice(ACCOUNTS[REDIS])
+            sign = -1 if n % 2 else 1  # odd: PostgreSQL -> Redis; even: Redis -> PostgreSQL
+            src, dst = (pg_account, redis_account) if n % 2 else (redis_account, pg_account)
             try:
                 with tm.transaction() as tx:
                     _say(n=n, amount=amount, src=src, dst=dst, gtrid=tx.gtrid)
-                    _move(tx.join(a), tx.gtrid, src, -amount)
-                    _move(tx.join(b), tx.gtrid, dst, amount)
+                    _pg_move(tx.join(pg), tx.gtrid, pg_account, sign * amount)
+                    _redis_move(
+                        tx.join(cache), spec["keys"], tx.gtrid, redis_account, -sign * amount
+                    )
             except TransactionRolledBack as exc:
                 _say(n=n, answer=f"rolled back ({exc.reason})")
                 continue
@@ -120,7 +153,11 @@ def run_child(spec: dict[str, Any]) -> int:
     return 0
 
 
-# -- where the databases live ------------------------------------------------------------------
+# -- where the stores live ---------------------------------------------------------------------
+
+
+class _Unusable(Exception):
+    """No server the demo can use; the message says what to install or change."""
 
 
 @dataclass
@@ -131,7 +168,7 @@ class _Cluster:
     origin: str  # for the banner; never shows a password
     ours: bool  # started by the demo, so plain database names and removed at the end
     release: Callable[[], None] = lambda: None
-    kept: str = ""  # how to remove what --keep leaves running ("": drop the databases)
+    kept: str = ""  # how to remove what --keep leaves running ("": drop the database)
 
     def url(self, database: str) -> URL:
         return self.admin.set(drivername="postgresql+psycopg2", database=database)
@@ -141,8 +178,49 @@ class _Cluster:
         return url.render_as_string(hide_password=False)
 
 
-class _Unusable(Exception):
-    """No server the demo can use; the message says what to install or change."""
+@dataclass
+class _Redis:
+    """A Redis server for the demo: where, how to name our keys, what to do afterwards."""
+
+    url: str  # may carry a password: goes to the child through stdin only, never printed
+    origin: str
+    ours: bool  # a throwaway server: plain key names, removed at the end
+    namespace: str  # RedisResource's namespace: twopc's own keys
+    keys: str  # prefix of the demo's data keys
+    release: Callable[[], None] = lambda: None
+    kept: str = ""
+
+
+def _find_redis() -> _Redis:
+    from resource_managers.throwaway import (  # noqa: PLC0415
+        RedisServer,
+        ServerError,
+        find_redis_server,
+    )
+
+    given = os.environ.get(REDIS_URL_ENV)
+    if given:
+        where = urlsplit(given)  # host and port only: the URL may carry a password
+        place = where.path if where.scheme == "unix" else f"{where.hostname}:{where.port or 6379}"
+        tag = uuid.uuid4().hex[:6]
+        return _Redis(given, f"{REDIS_URL_ENV} ({place})", False, f"twopc-{tag}", f"bank-{tag}:")
+    if find_redis_server() is None:
+        raise _Unusable(REDIS_NEEDS)
+    server = RedisServer()
+    try:
+        server.start()
+    except ServerError as exc:
+        server.remove()
+        raise _Unusable(f"could not start a throwaway redis-server: {exc}") from exc
+    return _Redis(
+        server.url(),
+        f"a throwaway redis-server on 127.0.0.1:{server.port} (appendonly yes, appendfsync always)",
+        ours=True,
+        namespace="twopc",
+        keys="bank:",
+        release=server.remove,
+        kept=f"kill {server.pid}; rm -rf {server.directory}",
+    )
 
 
 def _find_cluster() -> _Cluster:
@@ -168,7 +246,7 @@ def _find_cluster() -> _Cluster:
             raise _Unusable(f"could not start a throwaway PostgreSQL cluster: {exc}") from exc
         return _Cluster(
             make_url(server.url("postgres")),
-            f"a throwaway cluster on 127.0.0.1:{server.port} ({server.bindir})",
+            f"a throwaway cluster on 127.0.0.1:{server.port}",
             ours=True,
             release=server.remove,
             kept=f"kill -INT {server.pid}; rm -rf {server.directory}",
@@ -217,14 +295,19 @@ def _admin(cluster: _Cluster, database: str | None, *statements: Any) -> list[tu
         conn.close()
 
 
-def _create_bank(cluster: _Cluster, bank: str, database: str) -> None:
+def _create_bank(cluster: _Cluster, database: str) -> None:
     from psycopg2 import sql  # noqa: PLC0415
 
+    max_prepared = int(_admin(cluster, None, "SHOW max_prepared_transactions")[0][0])
+    if max_prepared <= 0:
+        raise _Unusable(
+            f"{cluster.origin} has max_prepared_transactions = 0, so it cannot prepare a "
+            "transaction; set it (at least max_connections) and restart PostgreSQL"
+        )
     create = sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(database))
     _admin(cluster, None, create)
     rows = sql.SQL(", ").join(
-        sql.SQL("({}, {})").format(sql.Literal(name), sql.Literal(OPENING))
-        for name in ACCOUNTS[bank]
+        sql.SQL("({}, {})").format(sql.Literal(name), sql.Literal(OPENING)) for name in ACCOUNTS[PG]
     )
     _admin(
         cluster,
@@ -236,35 +319,69 @@ def _create_bank(cluster: _Cluster, bank: str, database: str) -> None:
     )
 
 
+def _check_redis(state: _Run) -> None:
+    """Let `RedisResource` judge the server as the service will: it checks at a branch's start."""
+    from coordinator import ConfigurationError, TransientError, Xid  # noqa: PLC0415
+
+    cache, probe = state.cache(), Xid(FORMAT_ID, f"{NODE_ID}:durability-check", REDIS)
+    try:
+        cache.start(probe)
+    except (ConfigurationError, TransientError) as exc:
+        raise _Unusable(f"{state.store.origin}: {exc.message}") from exc
+    cache.rollback(probe)  # nothing of it reached Redis
+
+
 # -- the demo (parent process) -----------------------------------------------------------------
 
 
 @dataclass
 class _Run:
     cluster: _Cluster
+    store: _Redis
     workdir: Path
-    databases: dict[str, str]  # bank -> database name
-    engines: dict[str, Engine] = field(default_factory=dict)
+    database: str = ""
+    engine: Engine | None = None
+    client: Any = None  # redis.Redis, bytes in and out
 
     @property
     def log(self) -> Path:
         return self.workdir / "txlog"
 
-    def query(self, bank: str, sql: str, *params: Any) -> list[Any]:
-        with self.engines[bank].connect() as conn:
+    def query(self, sql: str, *params: Any) -> list[Any]:
+        assert self.engine is not None
+        with self.engine.connect() as conn:
             return list(conn.exec_driver_sql(sql, params or None).fetchall())
+
+    def cache(self) -> RedisResource:
+        from resource_managers.redis import RedisResource  # noqa: PLC0415
+
+        return RedisResource(self.client, name=REDIS, namespace=self.store.namespace)
+
+    @property
+    def twopc_keys(self) -> bytes:
+        """Where RedisResource keeps its own keys (prepared set, locks, staged sets, markers)."""
+        return self.cache().prefix
+
+    def redis_count(self, pattern: bytes) -> int:
+        return sum(1 for _ in self.client.scan_iter(match=pattern, count=1000))
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         import psycopg2  # noqa: PLC0415, F401
+        import redis  # noqa: PLC0415, F401
         import sqlalchemy  # noqa: PLC0415, F401
     except ImportError:
-        print("twopc demo needs the postgres extra: pip install 'twopc[postgres]'", file=sys.stderr)
+        print("twopc demo needs the extras: pip install 'twopc[postgres,redis]'", file=sys.stderr)
         return 2
     try:
-        cluster = _find_cluster()
-        with _setup(cluster, args.keep) as state:
+        store = _find_redis()
+        try:
+            cluster = _find_cluster()
+        except BaseException:
+            store.release()
+            raise
+        with _setup(cluster, store, args.keep) as state:
             return _demo(state, args)
     except _Unusable as exc:
         print(f"twopc demo: {exc}", file=sys.stderr)
@@ -272,56 +389,75 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _setup(cluster: _Cluster, keep: bool) -> Iterator[_Run]:
+def _setup(cluster: _Cluster, store: _Redis, keep: bool) -> Iterator[_Run]:
+    import redis  # noqa: PLC0415
     from sqlalchemy import create_engine  # noqa: PLC0415
 
-    from resource_managers.throwaway import drop_database  # noqa: PLC0415
-
-    suffix = "" if cluster.ours else f"_{uuid.uuid4().hex[:6]}"
-    state = _Run(cluster, Path(tempfile.mkdtemp(prefix="twopc-demo-")), {})
+    state = _Run(cluster, store, Path(tempfile.mkdtemp(prefix="twopc-demo-")))
     try:
-        max_prepared = int(_admin(cluster, None, "SHOW max_prepared_transactions")[0][0])
-        if max_prepared <= 0:
-            raise _Unusable(
-                f"{cluster.origin} has max_prepared_transactions = 0, so it cannot prepare a "
-                "transaction; set it (at least max_connections) and restart PostgreSQL"
-            )
-        for bank in ACCOUNTS:
-            state.databases[bank] = f"{bank}{suffix}"
-            _create_bank(cluster, bank, state.databases[bank])
-            state.engines[bank] = create_engine(cluster.url(state.databases[bank]))
+        state.client = redis.Redis.from_url(store.url)
+        _check_redis(state)
+        state.client.mset({f"{store.keys}balance:{a}": OPENING for a in ACCOUNTS[REDIS]})
+        database = "bank" if cluster.ours else f"bank_{uuid.uuid4().hex[:6]}"
+        _create_bank(cluster, database)
+        state.database = database
+        state.engine = create_engine(cluster.url(database))
         yield state
     finally:
-        for engine in state.engines.values():
-            engine.dispose()
+        if state.engine is not None:
+            state.engine.dispose()
         if keep:
             _print_kept(state)
         else:
-            for name in state.databases.values():
-                with contextlib.suppress(Exception):
-                    drop_database(cluster.dsn(), cluster.dsn(name), name)
-            cluster.release()
-            shutil.rmtree(state.workdir, ignore_errors=True)
+            _remove(state)
+
+
+def _remove(state: _Run) -> None:
+    from resource_managers.throwaway import drop_database  # noqa: PLC0415
+
+    cluster, store = state.cluster, state.store
+    if state.database:
+        with contextlib.suppress(Exception):
+            drop_database(cluster.dsn(), cluster.dsn(state.database), state.database)
+    if not store.ours and state.client is not None:
+        with contextlib.suppress(Exception):
+            for pattern in (f"{store.keys}*", f"{store.namespace}:*"):
+                for key in list(state.client.scan_iter(match=pattern, count=1000)):
+                    state.client.delete(key)
+    if state.client is not None:
+        state.client.close()
+    cluster.release()
+    store.release()
+    shutil.rmtree(state.workdir, ignore_errors=True)
 
 
 def _print_kept(state: _Run) -> None:
+    cluster, store = state.cluster, state.store
     print("\nkept (--keep):")
-    for bank, name in state.databases.items():
-        print(f"  {bank}: {state.cluster.url(name).render_as_string()}")
+    print(f"  PostgreSQL: {cluster.url(state.database).render_as_string()}")
+    where = store.url if store.ours else store.origin  # only a throwaway URL is password-free
+    print(f"  Redis: {where}, keys {store.keys}* and {store.namespace}:*")
     print(f"  decision log: {state.log}")
-    drop = "; ".join(f'DROP DATABASE "{name}"' for name in state.databases.values())
-    print(f"  remove with: {state.cluster.kept or drop}; rm -rf {state.workdir}")
+    drop = cluster.kept or f'DROP DATABASE "{state.database}"'
+    unkey = store.kept or f"delete the keys {store.keys}* and {store.namespace}:*"
+    print(f"  remove with: {drop}; {unkey}; rm -rf {state.workdir}")
 
 
 def _demo(state: _Run, args: argparse.Namespace) -> int:
-    version = state.query("bank_a", "SHOW server_version")[0][0].split()[0]
-    print(f"twopc demo: PostgreSQL {version}, {state.cluster.origin}")
-    if not state.cluster.ours:
-        print(f"   databases {state.databases['bank_a']} and {state.databases['bank_b']}")
-    print(f"\n1. a service moves money from bank_a to bank_b until SIGKILL at {args.crash_at}:")
+    pg_version = state.query("SHOW server_version")[0][0].split()[0]
+    redis_version = state.client.info("server")["redis_version"]
+    print(f"twopc demo: PostgreSQL {pg_version}, {state.cluster.origin}")
+    print(f"   and Redis {redis_version}, {state.store.origin}")
+    if not state.cluster.ours or not state.store.ours:
+        print(f"   database {state.database}; Redis keys {state.store.keys}*")
+    print(
+        f"\n1. a service moves money between PostgreSQL ({', '.join(ACCOUNTS[PG])}) and Redis "
+        f"({', '.join(ACCOUNTS[REDIS])}),\n   branches in name order (postgres, then redis), "
+        f"until SIGKILL at {args.crash_at}:"
+    )
     before = _total(state)
     acked = _run_crashing_child(state, args)
-    print("\n2. left in doubt, as pg_prepared_xacts and `twopc status` show it:")
+    print("\n2. left in doubt, as pg_prepared_xacts, Redis and `twopc status` show it:")
     rows = _in_doubt(state)
     print(_indent(table(["where", "state", "what"], rows)))
     if rows:
@@ -340,9 +476,10 @@ def _demo(state: _Run, args: argparse.Namespace) -> int:
 def _run_crashing_child(state: _Run, args: argparse.Namespace) -> list[str]:
     """Run the service; print what it did; return the gtrids it acknowledged."""
     spec = {
-        "urls": {
-            b: state.cluster.url(d).render_as_string(False) for b, d in state.databases.items()
-        },
+        "pg_url": state.cluster.url(state.database).render_as_string(False),
+        "redis_url": state.store.url,
+        "namespace": state.store.namespace,
+        "keys": state.store.keys,
         "log": str(state.log),
         "transfers": args.transfers,
     }
@@ -363,7 +500,7 @@ def _run_crashing_child(state: _Run, args: argparse.Namespace) -> list[str]:
             transfers.setdefault(event["n"], {}).update(event)
     for n, t in transfers.items():
         answer = t.get("answer", "no answer: killed by SIGKILL" if killed else "no answer")
-        print(f"   transfer {n}: {t['amount']:>2} from {t['src']:<5} to {t['dst']:<5}  {answer}")
+        print(f"   transfer {n:>2}: {t['amount']:>2} from {t['src']:<5} to {t['dst']:<5}  {answer}")
     if not killed:
         print(f"   the service exited with {proc.returncode} before reaching the crash point")
     if proc.returncode not in (0, -signal.SIGKILL):
@@ -372,87 +509,154 @@ def _run_crashing_child(state: _Run, args: argparse.Namespace) -> list[str]:
 
 
 def _in_doubt(state: _Run) -> list[tuple[str, str, str]]:
-    """What a crash left: pending decisions, and each bank's side of them, from the sources."""
-    rows: list[tuple[str, str, str]] = []
+    """What a crash left: pending decisions, and each store's side of them, from the sources."""
     pending, _, _ = summarize(inspect_log(state.log))
-    finished = set(pending)
-    for bank in state.databases:
-        for gtrid in pending:
-            if state.query(bank, "SELECT 1 FROM transfers WHERE gtrid = %s", gtrid):
-                rows.append((bank, "committed", f"transfer {gtrid}"))
-            else:
-                finished.discard(gtrid)
-        prepared = state.query(
-            bank,
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
-            "ORDER BY prepared",
-        )
-        rows.extend((bank, "prepared, locks held", f"gid {gid}") for (gid,) in prepared)
+    pg_done = {g for g in pending if state.query("SELECT 1 FROM transfers WHERE gtrid = %s", g)}
+    redis_done = {g for g in pending if g in _ledger(state)}
+    rows = [(PG, "committed", f"transfer {g}") for g in sorted(pg_done)]
+    prepared = state.query(
+        "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared"
+    )
+    rows += [(PG, "prepared, locks held", f"gid {gid}") for (gid,) in prepared]
+    rows += [(REDIS, "committed", f"transfer {g}") for g in sorted(redis_done)]
+    rows += _redis_prepared(state)
     for gtrid, record in pending.items():
         # END is written lazily, with the next forced write: a crash can lose it harmlessly
-        state_ = "COMMIT, END lost (lazy)" if gtrid in finished else "COMMIT, no END"
+        done = gtrid in pg_done and gtrid in redis_done
+        state_ = "COMMIT, END lost (lazy)" if done else "COMMIT, no END"
         rows.append(("decision log", state_, f"{gtrid} [{', '.join(record['branches'])}]"))
     return rows
+
+
+def _redis_prepared(state: _Run) -> list[tuple[str, str, str]]:
+    """Each prepared Redis branch: its entry in the prepared set, its locks, its staged set."""
+    prefix, client = state.twopc_keys, state.client
+    rows: list[tuple[str, str, str]] = []
+    for gid in client.zrange(prefix + b"prepared", 0, -1):
+        locked = [
+            key[len(prefix) + 5 :].decode(errors="replace")
+            for key in client.scan_iter(match=prefix + b"lock:*", count=1000)
+            if client.get(key) == gid
+        ]
+        staged = _staged_commands(client.lrange(prefix + b"ws:" + gid, 0, -1))
+        rows += [
+            (REDIS, "prepared", f"gid {gid.decode()}"),
+            (REDIS, "locked by it", ", ".join(sorted(locked))),
+            (REDIS, "staged, not applied", "; ".join(staged)),
+        ]
+    return rows
+
+
+def _staged_commands(ws: list[bytes]) -> list[str]:
+    """A staged write set, read: [magic, n, n keys, then (command, key, nargs, args) ...]."""
+    if len(ws) < 2:
+        return ["(none)"]
+    i, out = 2 + int(ws[1]), []
+    while i + 2 < len(ws):
+        command, key, nargs = ws[i].decode(), ws[i + 1].decode(errors="replace"), int(ws[i + 2])
+        shown = f" {ws[i + 3].decode()}" if command == "INCRBY" else ""
+        out.append(f"{command} {key}{shown}")
+        i += 3 + nargs
+    return out
 
 
 def _recover(state: _Run) -> RecoveryReport:
     from resource_managers.postgres import PostgresResource  # noqa: PLC0415
 
-    banks = [PostgresResource(e, name=b) for b, e in state.engines.items()]
+    assert state.engine is not None
+    resources: list[Any] = [PostgresResource(state.engine, name=PG), state.cache()]
     with TransactionManager(
-        NODE_ID, FileDecisionLog(state.log), banks, recover_on_start=False, recovery_interval=None
+        NODE_ID,
+        FileDecisionLog(state.log),
+        resources,
+        recover_on_start=False,
+        recovery_interval=None,
     ) as tm:
         return tm.recover(force=True)
 
 
+def _redis_balances(state: _Run) -> dict[str, int]:
+    keys = [f"{state.store.keys}balance:{a}" for a in ACCOUNTS[REDIS]]
+    return {a: int(v) for a, v in zip(ACCOUNTS[REDIS], state.client.mget(keys), strict=True)}
+
+
+def _ledger(state: _Run) -> list[str]:
+    """The gtrid of every entry in the Redis ledger stream, duplicates kept."""
+    entries = state.client.xrange(f"{state.store.keys}ledger")
+    return [fields[b"gtrid"].decode() for _, fields in entries]
+
+
 def _total(state: _Run) -> int:
-    return sum(int(state.query(b, "SELECT sum(balance) FROM accounts")[0][0]) for b in ACCOUNTS)
+    pg = int(state.query("SELECT sum(balance) FROM accounts")[0][0])
+    return pg + sum(_redis_balances(state).values())
 
 
-def _audit(state: _Run, before: int, acked: list[str]) -> int:
-    applied = {b: {r[0] for r in state.query(b, "SELECT gtrid FROM transfers")} for b in ACCOUNTS}
-    drift = [  # accounts whose balance is not the opening balance plus their transfer rows
+def _drift(state: _Run) -> list[str]:
+    """Accounts whose balance is not the opening balance plus their transfer records."""
+    drift = [
         account
-        for b in ACCOUNTS
         for account, balance, delta in state.query(
-            b,
             "SELECT a.id, a.balance, COALESCE(sum(t.delta), 0) FROM accounts a "
-            "LEFT JOIN transfers t ON t.account = a.id GROUP BY a.id, a.balance",
+            "LEFT JOIN transfers t ON t.account = a.id GROUP BY a.id, a.balance"
         )
         if balance != OPENING + delta
     ]
-    prepared = sum(
-        state.query(
-            b, "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
-        )[0][0]
-        for b in ACCOUNTS
-    )
+    moved = dict.fromkeys(ACCOUNTS[REDIS], 0)
+    for _, fields in state.client.xrange(f"{state.store.keys}ledger"):
+        moved[fields[b"account"].decode()] += int(fields[b"delta"])
+    balances = _redis_balances(state)
+    return drift + [a for a in ACCOUNTS[REDIS] if balances[a] != OPENING + moved[a]]
+
+
+def _residue(state: _Run) -> tuple[bool, str]:
+    """Anything a transaction can leave behind: prepared branches, locks, staged sets, decisions."""
+    pg = state.query("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()")
+    prefix = state.twopc_keys
+    redis = [
+        state.client.zcard(prefix + b"prepared"),
+        state.redis_count(prefix + b"lock:*"),
+        state.redis_count(prefix + b"ws:*"),
+    ]
     pending, _, _ = summarize(inspect_log(state.log))
-    after = _total(state)
-    a, b = applied["bank_a"], applied["bank_b"]
+    left = [pg[0][0], *redis, len(pending)]
+    detail = "prepared {} pg, {} redis; locks {}; staged {}; pending {}".format(*left)
+    return not any(left), detail
+
+
+def _audit(state: _Run, before: int, acked: list[str]) -> int:
+    in_pg = {r[0] for r in state.query("SELECT gtrid FROM transfers")}
+    ledger = _ledger(state)
+    in_redis = set(ledger)
+    drift, after = _drift(state), _total(state)
+    wrong = f"; wrong: {', '.join(drift)}" if drift else ""
     checks = [
         (
-            "conservation: same total, balances match transfers",
+            "conservation: same total, balances match records",
             after == before and not drift,
-            f"{before} -> {after}" + (f"; wrong: {', '.join(drift)}" if drift else ""),
+            f"{before} -> {after}{wrong}",
         ),
-        ("atomicity: no transfer on one side only", a == b, f"{len(a & b)} in both"),
+        (
+            "atomicity: no transfer in one store only",
+            in_pg == in_redis,
+            f"{len(in_pg & in_redis)} in both",
+        ),
+        (
+            "exactly_once: no transfer applied twice",
+            len(ledger) == len(in_redis),
+            f"{len(ledger)} ledger entries",
+        ),
         (
             "durable_ack: every acknowledged transfer in both",
-            all(g in a and g in b for g in acked),
+            all(g in in_pg and g in in_redis for g in acked),
             f"{len(acked)} acknowledged",
         ),
-        (
-            "no_in_doubt_residue: nothing prepared or pending",
-            not prepared and not pending,
-            f"{prepared} prepared, {len(pending)} pending",
-        ),
+        ("no_in_doubt_residue: nothing prepared, locked, staged", *_residue(state)),
     ]
     print("\n4. audit:")
     rows = [(name, "yes" if ok else "NO", detail) for name, ok, detail in checks]
     print(_indent(table(["invariant", "holds", "detail"], rows)))
     ok = all(ok for _, ok, _ in checks)
-    print("PASS: both databases agree and nothing is left in doubt" if ok else "FAIL")
+    print("PASS: PostgreSQL and Redis agree and nothing is left in doubt" if ok else "FAIL")
     return 0 if ok else 1
 
 

@@ -132,7 +132,7 @@ class RedisResource:
         hash_tag: str | None = None,
         durability: str = "strict",
         lock_wait: float = 2.0,
-        tombstone_ttl: int = 7 * 24 * 3600,
+        tombstone_ttl: int = 24 * 3600,
         sort_key: str | None = None,
         blind_writes: bool = False,
         single_slot: bool | None = None,
