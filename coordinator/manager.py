@@ -107,6 +107,7 @@ class TransactionManager:
         parallel: bool = False,
         max_workers: int = 16,
         phase_two_grace: float = 30.0,
+        inline_completion: bool = False,
         recovery_interval: float | None = 30.0,
         recover_on_start: bool = True,
         reaper_interval: float | None = 1.0,
@@ -118,6 +119,7 @@ class TransactionManager:
         self.default_timeout = default_timeout
         self.parallel = parallel
         self.phase_two_grace = phase_two_grace
+        self.inline_completion = inline_completion
         self.metrics = Metrics()
         self._gtrids = GtridFactory(node_id)
         self._resources: dict[str, Resource] = {}

@@ -15,6 +15,7 @@ import functools
 import inspect
 import pickle
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -406,3 +407,39 @@ def test_down_resource_recovery_keeps_running_in_the_background(
         time.sleep(0.01)
     assert down.calls["recover"] >= 3  # the ticker survived every failure
     assert tm.metrics_dict()["recovery_failures"] >= 3
+
+
+def test_inline_completion_holds_the_caller_but_still_fences_a_late_decision(
+    tmp_path: Path, managers: list[TransactionManager]
+) -> None:
+    """``inline_completion``: no thread hop, so a hung prepare holds the caller; the deadline in
+    the decision record still refuses the COMMIT once the prepare finally answers."""
+    a, b = (FileResource(name, tmp_path / name) for name in "ab")
+    hung = FlakyResource(b, stall={"prepare": 1.0})
+    log = FileDecisionLog(tmp_path / "log")
+    tm = manager(managers, [a, hung], log, inline_completion=True)
+    tx = tm.begin(timeout=0.3)
+    for resource in (a, hung):
+        tx.join(resource).add("n", 1)
+    started = time.monotonic()
+    with pytest.raises(TransactionTimedOut):
+        tx.commit()
+    assert time.monotonic() - started >= 0.9  # held: the caller's own thread ran the prepare
+    assert tx.state == TxState.ROLLED_BACK
+    assert log.pending() == [] and log.stats().forced_records == 0
+    for resource in (a, b):
+        assert resource.state().outcome(tx.gtrid) == ROLLED_BACK
+
+
+def test_inline_completion_runs_on_the_callers_thread(
+    tmp_path: Path, managers: list[TransactionManager]
+) -> None:
+    seen: list[int] = []
+    a = FlakyResource(
+        FileResource("a", tmp_path / "a"),
+        before={"commit": lambda xid: seen.append(threading.get_ident())},
+    )
+    tm = manager(managers, [a], FileDecisionLog(tmp_path / "log"), inline_completion=True)
+    with tm.transaction(timeout=5) as tx:
+        tx.join(a).add("n", 1)
+    assert seen == [threading.get_ident()]
