@@ -2,7 +2,8 @@
 
 Pure code, no I/O. An `Op` is one Redis write command as it will run at commit; the flat form
 ``[command, key, nargs, arg1..argn]`` is what travels to Lua (``ARGV``) and sits in the staged
-list, so keys and values stay arbitrary bytes (no JSON, no quoting, nothing interpreted).
+list, so keys and values stay arbitrary bytes (no JSON, no quoting, nothing interpreted). To the
+prepare and one-phase scripts it travels `pack`-ed, as one length-prefixed argument.
 
 The overlay answers a read (or computes a buffered write's redis-py-like return value) by
 replaying the branch's ops on one key over a *partial* picture of the server's value: a `View`
@@ -23,6 +24,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -187,6 +189,19 @@ def flatten(ops: Iterable[Op]) -> list[bytes]:
     for op in ops:
         out += op.flat()
     return out
+
+
+_LENGTH = struct.Struct("<I").pack
+
+
+def pack(ops: Iterable[Op]) -> bytes:
+    """The flat write set as one argument: each field a 4-byte little-endian length, then its
+    bytes (``decode`` in ``common.lua``). One argument instead of one per field keeps redis-py's
+    command packing, paid per argument, small."""
+    parts: list[bytes] = []
+    for item in flatten(ops):
+        parts += (_LENGTH(len(item)), item)
+    return b"".join(parts)
 
 
 # -- the overlay --------------------------------------------------------------------------------

@@ -271,14 +271,14 @@ class RedisBranch:
             known.facts.update(base.facts)
         return base
 
-    def plan(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
-        """(keys to lock, watch arguments, the flat write set) for the scripts."""
+    def plan(self) -> tuple[list[bytes], list[bytes], bytes]:
+        """(keys to lock, watch arguments, the packed write set) for the scripts."""
         touched = list(dict.fromkeys([*self._by_key, *self.watches]))
         index = {key: i for i, key in enumerate(touched, 1)}
         watch_args: list[bytes] = []
         for key, fingerprint in self.watches.items():
             watch_args += [str(index[key]).encode(), fingerprint]
-        return touched, watch_args, ws.flatten(self.ops)
+        return touched, watch_args, ws.pack(self.ops)
 
 
 def _int(result: Any) -> int | None:

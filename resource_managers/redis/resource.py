@@ -165,7 +165,7 @@ class RedisResource:
         self.tombstone_ttl = int(tombstone_ttl)
         self.blind_writes = blind_writes
         self._sort_key = sort_key or self._name
-        self._scripts = Scripts(client)
+        self._scripts = Scripts(client, self.cluster)
         self._encoder = client.get_encoder()
         self._lock = threading.Lock()
         self._branches: dict[Xid, RedisBranch] = {}
@@ -243,12 +243,12 @@ class RedisResource:
         if not branch.ops:  # nothing to promise; a watched key that changed still votes no
             self._check_watches(branch)
             return Vote.READ_ONLY
-        touched, watch_args, flat = branch.plan()
+        touched, watch_args, packed = branch.plan()
         gid = branch.gid
         keys = [self._tx(gid), self._ws(gid), self._prepared, *self._locks(touched), *touched]
         head: list[bytes | str | int] = [gid, self.prefix, len(touched), len(branch.watches)]
         crash_point(f"redis.{self._name}.after_stage")
-        reply = self._run_waiting("prepare", keys, [*head, *watch_args, *flat], branch)
+        reply = self._run_waiting("prepare", keys, [*head, *watch_args, packed], branch)
         if reply[0] != b"OK":
             self._refuse(branch, reply)
         crash_point(f"redis.{self._name}.after_prepare_marker")
@@ -374,11 +374,11 @@ class RedisResource:
         if not branch.ops:
             self._check_watches(branch)
             return None
-        touched, watch_args, flat = branch.plan()
+        touched, watch_args, packed = branch.plan()
         gid = branch.gid
         keys = [self._tx(gid), *self._locks(touched), *touched]
         head: list[Any] = [gid, self.prefix, len(touched), len(branch.watches)]
-        args = [*head, ONE_PHASE_MARKER_TTL, *watch_args, *flat]
+        args = [*head, ONE_PHASE_MARKER_TTL, *watch_args, packed]
         try:
             reply = self._run_waiting("one_phase", keys, args, branch)
         except TransientError as exc:

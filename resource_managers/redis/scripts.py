@@ -1,27 +1,61 @@
-"""The Lua scripts of a Redis branch, loaded once per client and run by SHA.
+"""The Lua scripts of a Redis branch: one Redis function library, or scripts run by SHA.
 
-Each script is ``lua/common.lua`` (the write-set parser, the validating simulation, apply, lock
-release) followed by its own body from ``lua/<name>.lua``. Only fixed code is concatenated here:
+The code is ``lua/common.lua`` (the write-set parser, the validating simulation, apply, lock
+release) and one body per script in ``lua/<name>.lua``. Only fixed code is concatenated here:
 data reaches a script through ``KEYS`` and ``ARGV`` and nowhere else.
 
-Scripts are registered with ``client.register_script`` and run with ``EVALSHA``; a server that
-has forgotten them (a restart, ``SCRIPT FLUSH``, a failover to a replica that never saw them)
-answers ``NOSCRIPT`` and the script is loaded again and rerun, which is safe because a script that
-was not found did nothing. Replies are read without decoding (``NEVER_DECODE``) whatever the
-client's ``decode_responses``, since keys and values in them are arbitrary bytes.
+On Redis >= 7.0 (standalone) all of it is one function library, loaded once with ``FUNCTION LOAD
+REPLACE`` and run with ``FCALL``: the server compiles ``common.lua`` once, where a script would
+re-run its ~50 definitions on every ``EVALSHA``. Each body becomes the callback of a function that
+first points the library's ``KEYS``/``ARGV`` upvalues at its arguments, so the same body text runs
+as a function and as a script. The library and its functions are named after a digest of the
+code, so two twopc versions sharing a server never replace each other's code. A server that
+refuses ``FUNCTION`` (older than 7.0, an ACL, a renamed command) and a cluster (where redis-py
+would ask the server for an ``FCALL``'s keys on every call) run each script as
+``common.lua`` + body with ``EVALSHA``.
+
+Either way the code is registered once per client and the server may forget it (a restart without
+the AOF, ``SCRIPT FLUSH``, ``FUNCTION FLUSH``, a failover to a replica that never saw it): it then
+answers ``NOSCRIPT`` or "Function not found", and the code is loaded again and the call rerun,
+which is safe because a call that was not found did nothing. Replies are read without decoding
+(``NEVER_DECODE``) whatever the client's ``decode_responses``, since keys and values in them are
+arbitrary bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, Final
 
+from redis import exceptions as rex
 from redis.client import NEVER_DECODE
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+
+from ._errors import BUSY_PREFIXES
 
 NAMES = ("prepare", "commit", "one_phase", "rollback", "read", "watch", "forget")
+#: Function flags. Without flags a function is refused as a whole at ``maxmemory``, where a
+#: script is refused at its first memory-growing write: so reads are ``no-writes``, and commit,
+#: rollback and forget ``allow-oom`` (as scripts, their first write is a DEL, which Redis allows
+#: at maxmemory, and lets a script that has written finish). Prepare and one-phase keep the
+#: default: refused at maxmemory before anything runs, the same no vote as a script's.
+FLAGS: Final = {
+    "prepare": "",
+    "commit": "'allow-oom'",
+    "one_phase": "",
+    "rollback": "'allow-oom'",
+    "read": "'no-writes'",
+    "watch": "'no-writes'",
+    "forget": "'allow-oom'",
+}
+_MISSING_FUNCTION: Final = "Function not found"
+
+
+def _text(name: str) -> str:
+    folder = resources.files(__package__).joinpath("lua")
+    return folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
 @cache
@@ -29,31 +63,83 @@ def source(name: str) -> str:
     """The complete text of one script: the shared library, then the script's body."""
     if name not in NAMES:
         raise KeyError(name)
-    folder = resources.files(__package__).joinpath("lua")
-    common = folder.joinpath("common.lua").read_text(encoding="utf-8")
-    body = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    return f"{common}\n{body}"
+    return f"{_text('common')}\n{_text(name)}"
+
+
+@cache
+def library() -> tuple[str, str]:
+    """(library name, library code): every script as a function of one library."""
+    digest = hashlib.sha1(  # a name for this exact code, not a security measure
+        "\0".join([_text("common"), *(_text(name) for name in NAMES), str(FLAGS)]).encode(),
+        usedforsecurity=False,
+    ).hexdigest()[:16]
+    lib = f"twopc_{digest}"
+    parts = [f"#!lua name={lib}", "local KEYS, ARGV", _text("common")]
+    for name in NAMES:
+        parts += [
+            f"local function {name}_body()\n{_text(name)}\nend",
+            f"redis.register_function{{function_name='{lib}_{name}', flags={{{FLAGS[name]}}},",
+            "  callback=function(keys, args)",
+            "    KEYS, ARGV = keys, args",
+            f"    local reply = {name}_body()",
+            "    KEYS, ARGV = nil, nil",
+            "    return reply",
+            "  end}",
+        ]
+    return lib, "\n".join(parts) + "\n"
 
 
 class Scripts:
-    """The branch scripts registered on one client (a `redis.Redis` or `RedisCluster`)."""
+    """The branch scripts on one client (a `redis.Redis` or `RedisCluster`)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, cluster: bool = False) -> None:
         self._client = client
         self._scripts: dict[str, Script] = {
             name: client.register_script(source(name)) for name in NAMES
         }
+        self._library, self._code = library()
+        #: None: not decided yet; True: FCALL; False: EVALSHA
+        self._functions: bool | None = False if cluster else None
+        self._fcall = {name: f"{self._library}_{name}" for name in NAMES}
+
+    @property
+    def functions(self) -> bool | None:
+        """Whether calls go through the function library (None until the first call)."""
+        return self._functions
 
     def run(self, name: str, keys: list[bytes], args: list[bytes | str | int]) -> Any:
-        """``EVALSHA`` the script; on ``NOSCRIPT`` load it and run it again."""
+        """Run one script; load the code again if the server has lost it, and rerun."""
+        if self._functions is None:
+            self._functions = self._load_library()
+        if self._functions:
+            try:
+                return self._call("FCALL", self._fcall[name], keys, args)
+            except rex.ResponseError as exc:
+                if not str(exc).startswith(_MISSING_FUNCTION):
+                    raise
+            self._functions = self._load_library()
+            if self._functions:
+                return self._call("FCALL", self._fcall[name], keys, args)
         script = self._scripts[name]
         try:
-            return self._evalsha(script.sha, keys, args)
-        except NoScriptError:
+            return self._call("EVALSHA", script.sha, keys, args)
+        except rex.NoScriptError:
             script.sha = self._client.script_load(script.script)
-            return self._evalsha(script.sha, keys, args)
+            return self._call("EVALSHA", script.sha, keys, args)
 
-    def _evalsha(self, sha: str, keys: list[bytes], args: list[bytes | str | int]) -> Any:
+    def _load_library(self) -> bool:
+        """Load the library; False if this server will not run functions (use scripts)."""
+        try:
+            self._client.execute_command("FUNCTION LOAD", "REPLACE", self._code)
+        except (rex.AuthenticationError, rex.AuthenticationWrongNumberOfArgsError):
+            raise
+        except rex.ResponseError as exc:
+            if str(exc).startswith(BUSY_PREFIXES):
+                raise  # not now, but maybe later: decide on a later call
+            return False  # an unknown command, an ACL, a renamed FUNCTION
+        return True
+
+    def _call(self, command: str, target: str, keys: list[bytes], args: list[Any]) -> Any:
         return self._client.execute_command(
-            "EVALSHA", sha, len(keys), *keys, *args, **{NEVER_DECODE: []}
+            command, target, len(keys), *keys, *args, **{NEVER_DECODE: []}
         )

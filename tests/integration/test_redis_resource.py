@@ -25,6 +25,7 @@ from coordinator import (
     HeuristicError,
     Outcome,
     TransactionRolledBack,
+    TransientError,
     Vote,
     Xid,
     crashpoints,
@@ -566,6 +567,103 @@ def test_scripts_flushed_between_calls_are_loaded_again(
     b.incrby("n", 1)
     cache.commit(xid(2), one_phase=True)
     assert client.mget("k", "n") == [b"v1", b"1"]
+
+
+def _functions_supported(client: redis.Redis) -> bool:
+    return int(str(client.info("server")["redis_version"]).split(".")[0]) >= 7
+
+
+def test_functions_flushed_between_calls_are_loaded_again(
+    client: redis.Redis, cache: RedisResource
+) -> None:
+    if not _functions_supported(client):
+        pytest.skip("Redis < 7.0 has no functions; the scripts test covers it")
+    one = prepared(cache, 1)
+    assert cache._scripts.functions is True
+    client.function_flush()
+    assert cache.commit(one) is None
+    client.function_flush()
+    b = cache.start(xid(2))
+    b.incrby("n", 1)
+    cache.commit(xid(2), one_phase=True)
+    assert client.mget("k", "n") == [b"v1", b"1"]
+    assert client.info("commandstats").get("cmdstat_evalsha") is None  # never fell back
+
+
+def test_a_server_refusing_functions_runs_scripts(redis_url: str, client: redis.Redis) -> None:
+    """An ACL that denies FUNCTION (as an older server does): EVALSHA, with its own fallback."""
+    if not _functions_supported(client):
+        pytest.skip("Redis < 7.0: every test runs the scripts")
+    client.acl_setuser(
+        "twopc-nofn", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+        commands=["+@all", "-function"],
+    )  # fmt: skip
+    limited = redis.Redis.from_url(redis_url, username="twopc-nofn", password="pw")
+    try:
+        cache = RedisResource(limited, "cache")
+        one = prepared(cache, 1)
+        assert cache._scripts.functions is False
+        client.script_flush()
+        assert cache.commit(one) is None
+        client.script_flush()
+        b = cache.start(xid(2))
+        b.incrby("n", 1)
+        cache.commit(xid(2), one_phase=True)
+        assert client.mget("k", "n") == [b"v1", b"1"]
+    finally:
+        limited.close()
+        client.acl_deluser("twopc-nofn")
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["functions", "scripts"])
+def test_a_malformed_packed_write_set_is_refused_before_any_write(
+    client: redis.Redis, functions: bool
+) -> None:
+    cache = RedisResource(client, "cache")
+    if not functions:
+        cache._scripts._functions = False
+    elif not _functions_supported(client):
+        pytest.skip("Redis < 7.0 has no functions")
+    gid = xid(1).to_gid()
+    keys = [cache._tx(gid), cache._ws(gid), cache._prepared, *cache._locks([b"k"]), b"k"]
+    head: list[Any] = [gid, cache.prefix, 1, 0]
+    good = b"\x03\x00\x00\x00SET\x01\x00\x00\x00k\x01\x00\x00\x001\x01\x00\x00\x00v"
+    for packed in [good[:-1], good[:2], [good, b"extra"]]:
+        args = [*head, *packed] if isinstance(packed, list) else [*head, packed]
+        reply = cache._scripts.run("prepare", keys, args)
+        assert reply[0] == b"BAD", reply
+    assert client.keys("*") == []  # nothing written, not even a lock
+    assert cache._scripts.run("prepare", keys, [*head, good]) == [b"OK"]
+    assert cache.commit(xid(1)) is None and client.get("k") == b"v"
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["functions", "scripts"])
+def test_at_maxmemory_prepare_votes_no_but_commit_and_rollback_finish(
+    client: redis.Redis, functions: bool
+) -> None:
+    """noeviction at maxmemory: what docs/redis.md promises, through FCALL and EVALSHA alike."""
+    cache = RedisResource(client, "cache")
+    if not functions:
+        cache._scripts._functions = False
+    elif not _functions_supported(client):
+        pytest.skip("Redis < 7.0 has no functions")
+    one = prepared(cache, 1)
+    client.set("w", "0")
+    b = cache.start(xid(2))
+    b.watch("w")
+    b.incrby("n", 1)
+    client.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(TransientError, match="out of memory"):
+            cache.prepare(xid(2))
+        assert cache.rollback(xid(2)) is None
+        assert cache.commit(one) is None
+        reader = cache.start(xid(3))
+        assert reader.get("k") == b"v1" and reader.incrby("n", 2) == 2  # reads still work
+        assert cache.rollback(xid(3)) is None
+    finally:
+        client.config_set("maxmemory", 0)
+    assert client.mget("k", "n") == [b"v1", None]
 
 
 def test_crash_points_are_reached_in_order(cache: RedisResource) -> None:

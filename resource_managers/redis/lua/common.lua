@@ -81,6 +81,23 @@ local function header(ws)
   return n, 3 + n
 end
 
+-- the write set as prepare and one-phase receive it, one argument (see _writeset.pack): each
+-- field a 4-byte little-endian length, then its bytes. The flat array, or nil if malformed
+local function unpack_fields(blob)
+  local out, count, pos, size = {}, 0, 1, #blob
+  while pos <= size do
+    count = count + 1
+    out[count], pos = struct.unpack('<I4c0', blob, pos)
+  end
+  return out
+end
+
+local function decode(blob)
+  local ok, fields = pcall(unpack_fields, blob)
+  if ok then return fields end
+  return nil
+end
+
 local function parse(src, from, to, allowed)
   local ops, i = {}, from
   while i <= to do

@@ -3,7 +3,7 @@
 -- retries on connection errors by default) finds it instead of applying the writes twice.
 -- KEYS: 1 marker (tx hash), 2 .. n+1 lock keys, n+2 .. 2n+1 data keys
 -- ARGV: 1 gid, 2 prefix, 3 n, 4 number of watches, 5 marker ttl (s), then (data key index,
---       fingerprint) per watch, then the write set
+--       fingerprint) per watch, then the write set as one packed argument (decode)
 -- Reply: {'OK'} | {'STATE', state} | {'CHANGED', key} | {'LOCKED', key, owner}
 --        | {'INVALID', key, message} | {'BAD', what}
 local gid, prefix, n, watches = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -17,7 +17,10 @@ for i = 1, n do
   local owner = redis.call('GET', KEYS[1 + i])
   if owner and owner ~= gid then return {'LOCKED', KEYS[1 + n + i], owner} end
 end
-local ops, err = parse(ARGV, 6 + 2 * watches, #ARGV, key_set(1 + n, n))
+local packed = 6 + 2 * watches
+local src = #ARGV == packed and decode(ARGV[packed])
+if not src then return {'BAD', 'the packed write set is malformed'} end
+local ops, err = parse(src, 1, #src, key_set(1 + n, n))
 if not ops then return {'BAD', err} end
 local index, key, message = validate(ops)
 if index then return {'INVALID', key, message} end

@@ -1,7 +1,7 @@
 -- prepare: make the branch's write set durable and promise to commit it.
 -- KEYS: 1 tx hash, 2 ws list, 3 prepared zset, 4 .. 3+n lock keys, 4+n .. 3+2n data keys
 -- ARGV: 1 gid, 2 prefix, 3 n, 4 number of watches, then (data key index, fingerprint) per
---       watch, then the write set
+--       watch, then the write set as one packed argument (decode)
 -- Reply: {'OK'} | {'STATE', state} | {'CHANGED', key} | {'LOCKED', key, owner}
 --        | {'INVALID', key, message} | {'BAD', what}
 local gid, prefix, n, watches = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -16,8 +16,10 @@ for i = 1, n do
   local owner = redis.call('GET', KEYS[3 + i])
   if owner and owner ~= gid then return {'LOCKED', KEYS[3 + n + i], owner} end
 end
-local first = 5 + 2 * watches
-local ops, err = parse(ARGV, first, #ARGV, key_set(3 + n, n))
+local packed = 5 + 2 * watches
+local src = #ARGV == packed and decode(ARGV[packed])
+if not src then return {'BAD', 'the packed write set is malformed'} end
+local ops, err = parse(src, 1, #src, key_set(3 + n, n))
 if not ops then return {'BAD', err} end
 local index, key, message = validate(ops)
 if index then return {'INVALID', key, message} end
@@ -27,7 +29,7 @@ redis.call('DEL', KEYS[2])
 local head = {MAGIC, tostring(n)}
 for i = 1, n do head[2 + i] = KEYS[3 + n + i] end
 push(KEYS[2], head, 1, #head)
-push(KEYS[2], ARGV, first, #ARGV)
+push(KEYS[2], src, 1, #src)
 local now = now_ms()
 redis.call('HSET', KEYS[1], 'state', 'prepared', 'ts', now)
 redis.call('ZADD', KEYS[3], now, gid)
