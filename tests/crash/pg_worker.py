@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -265,13 +266,20 @@ def transfer(tm: TransactionManager, rng: random.Random, accounts: int) -> None:
 
 def bank(args: argparse.Namespace) -> int:
     tm = open_manager(args, recover_on_start=True)
+    return run_clients(tm, args, lambda rng: transfer(tm, rng, args.accounts))
+
+
+def run_clients(
+    tm: TransactionManager, args: argparse.Namespace, one: Callable[[random.Random], None]
+) -> int:
+    """``args.threads`` clients each running ``one`` until ``args.duration`` is up (or a kill)."""
     say("READY")
     stop = threading.Event()
 
     def client(index: int) -> None:
         rng = random.Random(f"{args.seed}-{index}")
         while not stop.is_set():
-            transfer(tm, rng, args.accounts)
+            one(rng)
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.threads)]
     for thread in threads:
@@ -288,21 +296,24 @@ def bank(args: argparse.Namespace) -> int:
 # -- the fork server ---------------------------------------------------------------------------
 
 
-def serve() -> int:
-    """Fork one child per request line, wait for it, answer its return code."""
+def serve(entry: Callable[[list[str]], int] | None = None) -> int:
+    """Fork one child per request line, wait for it, answer its return code.
+
+    ``entry`` is the worker's ``main`` (this module's by default; redis_worker.py passes its own).
+    """
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            child(request)
+            child(request, entry or main)
         _, status = os.waitpid(pid, 0)
         say(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}))
     return 0
 
 
-def child(request: dict[str, Any]) -> None:
+def child(request: dict[str, Any], entry: Callable[[list[str]], int]) -> None:
     """Run one request in this forked process and exit; never returns."""
     code = 1
     try:
@@ -312,7 +323,7 @@ def child(request: dict[str, Any]) -> None:
             os.close(out)
         sys.stdin = open(os.devnull)  # noqa: SIM115  the server's requests are not ours
         crashpoints.arm(request.get("crash_at") or "")
-        code = main(request["argv"])
+        code = entry(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -36,14 +36,10 @@ Crashes come from ``TWOPC_CRASH_AT`` (`coordinator.crashpoints`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +50,12 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from sqlalchemy import create_engine
 
-from coordinator import TransactionManager, crashpoints
+from coordinator import TransactionManager
 from coordinator.resource import Resource
 from coordinator.transaction import Transaction
 from resource_managers.postgres import PostgresResource
 from resource_managers.redis import RedisBranch, RedisResource
-from tests.crash.pg_worker import finish, move, open_log, say
+from tests.crash.pg_worker import finish, move, open_log, run_clients, say, serve
 
 NODE_ID = "redis-crash-node"
 KINDS = ("2pc", "veto", "1pc", "ro")
@@ -217,63 +213,7 @@ def transfer(tm: TransactionManager, rng: random.Random, args: argparse.Namespac
 
 def bank(args: argparse.Namespace) -> int:
     tm = open_manager(args, recover_on_start=True)
-    say("READY")
-    stop = threading.Event()
-
-    def client(index: int) -> None:
-        rng = random.Random(f"{args.seed}-{index}")
-        while not stop.is_set():
-            transfer(tm, rng, args)
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.threads)]
-    for thread in threads:
-        thread.start()
-    stop.wait(args.duration)
-    stop.set()
-    for thread in threads:
-        thread.join()
-    say("DONE")
-    tm.close()
-    return 0
-
-
-# -- the fork server (as pg_worker.py's, serving this module's main) ----------------------------
-
-
-def serve() -> int:
-    """Fork one child per request line, wait for it, answer its return code."""
-    for line in sys.stdin:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            child(request)
-        _, status = os.waitpid(pid, 0)
-        say(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}))
-    return 0
-
-
-def child(request: dict[str, Any]) -> None:
-    """Run one request in this forked process and exit; never returns."""
-    code = 1
-    try:
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.dup2(out, fd)
-            os.close(out)
-        sys.stdin = open(os.devnull)  # noqa: SIM115  the server's requests are not ours
-        crashpoints.arm(request.get("crash_at") or "")
-        code = main(request["argv"])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    return run_clients(tm, args, lambda rng: transfer(tm, rng, args))
 
 
 # -- the command line --------------------------------------------------------------------------
@@ -302,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3600.0)
     args = parser.parse_args(argv)
     if args.mode == "serve":
-        return serve()
+        return serve(main)
     if not args.pg or not args.redis or not args.log:
         parser.error("--pg, --redis and --log are required")
     if args.mode == "recover":
