@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint servers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[all]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+servers:
+	tools/ensure-servers.sh
+
+demo: $(STAMP) servers
 	$(BIN)/twopc demo
 
 lint: $(STAMP)
@@ -22,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python tools/check_layering.py
 
-test: lint
+test: lint servers
 	$(BIN)/python -m pytest
 
 clean:
