@@ -1,0 +1,405 @@
+"""`MessageLog`: the durable store of the capture side, on the coordinator's `Journal`.
+
+Per stream (a destination, or its non-persistent twin ``<destination>#np``), the committed
+messages not yet acknowledged, numbered 1, 2, 3, ... in commit order within the stream's epoch
+(see ``_state`` for the epoch rule). Numbers are assigned at commit and written in the commit
+record, so a replay gives every message the number a reader may already have sent.
+
+Numbers become visible in order: a commit takes its numbers under a lock, then writes its record
+outside it (so concurrent commits share one fsync), and a reader sees a number only when every
+lower number of its stream is either visible or *burned* (its commit's write failed). Without
+that rule a transfer could send 7 before 6 and the cursor, accepting 7, would drop 6 as old.
+A burned number leaves a gap; the previous-number links of `messaging.sequencing` cover it.
+
+Non-persistent messages are never written: they are kept in memory, committed without a record
+and lost in a crash or close, as JMS allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from coordinator.crashpoints import crash_point
+from coordinator.errors import (
+    LogWriteError,
+    ProgrammingError,
+    TransactionRolledBack,
+    TransientError,
+)
+from coordinator.journal import DEFAULT_SEGMENT_BYTES, FileOps, Gate, Journal
+
+from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
+from ._state import LogState
+
+log = logging.getLogger("twopc.message_log")
+
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
+DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
+
+
+class BranchRolledBack(TransactionRolledBack):
+    """The log refuses to prepare a branch it has already rolled back (its tombstone)."""
+
+    code = "mlog-rolled-back"
+    reason = "vote"
+
+
+class DestinationFullError(TransientError):
+    """The destination holds ``max_destination_messages`` already; retry once it drains."""
+
+    code = "mlog-destination-full"
+
+
+@dataclass
+class MessageLogStats:
+    forced_records: int
+    lazy_records: int
+    fsyncs: int
+    rollovers: int
+    prepared: int
+    tombstones: int
+    pending: int
+    streams: int
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class MessageLog:
+    """Prepared branches and committed messages in ``directory``, locked to this process.
+
+    ``max_message_bytes``: a message's body plus headers. ``max_destination_messages``: committed
+    unacknowledged plus prepared messages a destination may hold (None: no limit).
+    ``tombstone_seconds``: how long a rollback's tombstone survives compaction (``forget`` drops
+    it sooner). Thread-safe; a context manager.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_destination_messages: int | None = None,
+        tombstone_seconds: float = DEFAULT_TOMBSTONE_SECONDS,
+        file_ops: FileOps | None = None,
+        clock_ms: Callable[[], int] = now_ms,
+    ) -> None:
+        if max_message_bytes < 1 or (max_destination_messages or 1) < 1:
+            raise ProgrammingError("max_message_bytes and max_destination_messages must be >= 1")
+        self.directory = Path(directory)
+        self.max_message_bytes = max_message_bytes
+        self.max_destination_messages = max_destination_messages
+        self._tombstone_ms = int(tombstone_seconds * 1000)
+        self._clock = clock_ms
+        self._state = LogState()
+        self._gate = Gate()
+        self._rolling = threading.Lock()
+        self._lock = threading.Lock()  # numbering, in-flight numbers, counts
+        self.changed = threading.Condition(self._lock)  # notified when messages become visible
+        self._inflight: dict[str, set[int]] = {}
+        self._held: dict[str, int] = {}  # destination -> prepared-but-uncommitted messages
+        self._volatile_prepared: dict[str, list[Message]] = {}
+        self.version = 0  # bumped whenever messages become visible
+        self._journal = Journal(
+            self.directory, replay=self._replay, segment_bytes=segment_bytes, file_ops=file_ops
+        )
+        try:
+            self._open()
+        except BaseException:
+            self._journal.close()
+            raise
+
+    def _replay(self, payload: bytes) -> None:
+        self._state.apply(decode(payload))
+
+    def _open(self) -> None:
+        incarnation = max(self._state.incarnation + 1, self._clock())
+        self._append([{"k": "O", "n": incarnation}], force=True)
+        for messages in self._state.prepared.values():
+            self._hold(messages, +1)
+        self._maybe_rollover()
+
+    # -- the resource's verbs ------------------------------------------------------------------
+
+    def check_room(self, destination: str, adding: int) -> None:
+        limit = self.max_destination_messages
+        if limit is None:
+            return
+        with self._lock:
+            held = self._held.get(destination, 0)
+            for name in (destination, destination + VOLATILE_SUFFIX):
+                stream = self._state.streams.get(name)
+                held += len(stream.messages) if stream is not None else 0
+        if held + adding > limit:
+            raise DestinationFullError(
+                f"destination {destination!r} holds {held} messages, its limit is {limit}; "
+                "nothing was staged, retry when the cursor has acknowledged some"
+            )
+
+    def clock(self) -> int:
+        """Wall-clock milliseconds, as expiries and tombstones use them."""
+        return self._clock()
+
+    def is_tombstoned(self, gid: str) -> bool:
+        return gid in self._state.tombstones
+
+    def is_committed(self, gid: str) -> bool:
+        return gid in self._state.committed
+
+    def is_prepared(self, gid: str) -> bool:
+        return gid in self._state.prepared or gid in self._volatile_prepared
+
+    def prepare(self, gid: str, messages: list[Message]) -> None:
+        """Make the persistent ones durable (one forced record); keep the others in memory.
+
+        Raises `BranchRolledBack` if a rollback (recovery's, say) left its tombstone first, even
+        while the record was being written: replay ignores a prepare after a tombstone, so
+        voting yes then would let a commit report success for messages that do not exist."""
+        durable = [m for m in messages if m.persistent]
+        volatile = [m for m in messages if not m.persistent]
+        if durable:
+            self._append([{"k": "P", "g": gid, "m": [message_obj(m) for m in durable]}], True)
+        with self._lock:
+            if gid in self._state.tombstones:
+                raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")
+            if volatile:
+                self._volatile_prepared[gid] = volatile
+            self._hold_locked(messages, +1)
+
+    def commit(
+        self, gid: str, messages: list[Message] | None = None, *, after_append: str = ""
+    ) -> None:
+        """Number and publish a prepared branch, or, with ``messages``, commit them in one phase.
+        A gid that is neither prepared nor given messages is a repeat: nothing to do.
+        ``after_append`` names the crash point between the durable record and publication."""
+        one_phase = messages is not None
+        with self._lock:
+            if one_phase:
+                assert messages is not None
+                durable = [m for m in messages if m.persistent]
+                volatile = [m for m in messages if not m.persistent]
+            else:
+                durable = list(self._state.prepared.get(gid, []))
+                volatile = self._volatile_prepared.pop(gid, [])
+            numbers = [self._take_number(m.stream) for m in durable]
+            vnumbers = [self._take_number(m.stream) for m in volatile]
+        try:
+            if durable or (not one_phase and gid in self._state.prepared):
+                record: dict[str, Any] = {"k": "C", "g": gid, "s": [list(n) for n in numbers]}
+                if one_phase:
+                    record = {
+                        "k": "1",
+                        "g": gid,
+                        "m": [message_obj(m) for m in durable],
+                        "s": record["s"],
+                    }
+                self._append([record], force=True)
+                if after_append:
+                    crash_point(after_append)
+            elif one_phase or volatile:
+                with self._lock:
+                    self._state.committed.add(gid)
+        finally:
+            self._publish(volatile, vnumbers, numbers, one_phase)
+
+    def _take_number(self, stream: str) -> tuple[str, int]:
+        s = self._state.stream(stream)
+        seq = s.next_seq
+        self._inflight.setdefault(stream, set()).add(seq)
+        s.next_seq = seq + 1
+        return stream, seq
+
+    def _publish(
+        self,
+        volatile: list[Message],
+        vnumbers: list[tuple[str, int]],
+        numbers: list[tuple[str, int]],
+        one_phase: bool,
+    ) -> None:
+        """Volatile messages join their streams; every number taken leaves the in-flight set
+        (burned, if the durable record failed: `_append` already applied a written one)."""
+        with self._lock:
+            for (name, seq), message in zip(vnumbers, volatile, strict=True):
+                self._state.stream(name).add(seq, message)
+            for name, seq in [*numbers, *vnumbers]:
+                self._inflight[name].discard(seq)
+            if not one_phase:
+                self._hold_locked(volatile, -1)
+            self.version += 1
+            self.changed.notify_all()
+
+    def rollback(self, gid: str) -> None:
+        """Discard a branch and leave its tombstone (a lazy record: a crash loses nothing that
+        matters, since a crash also loses every unprepared branch it could refuse)."""
+        with self._lock:
+            volatile = self._volatile_prepared.pop(gid, [])
+            self._hold_locked(volatile, -1)
+        self._append([{"k": "R", "g": gid, "t": self._clock()}], force=False)
+
+    def forget(self, gid: str) -> None:
+        if gid in self._state.tombstones:
+            self._append([{"k": "F", "g": gid}], force=False)
+
+    def prepared_gids(self) -> list[str]:
+        with self._lock:
+            return sorted({*self._state.prepared, *self._volatile_prepared})
+
+    # -- the reader's side ---------------------------------------------------------------------
+
+    def streams(self) -> dict[str, int]:
+        """Every stream with its epoch."""
+        with self._lock:
+            return {name: s.epoch for name, s in self._state.streams.items()}
+
+    def epoch(self, stream: str) -> int:
+        with self._lock:
+            return self._state.stream(stream).epoch
+
+    def pending(self, stream: str) -> list[tuple[int, Message]]:
+        """Committed unacknowledged messages of ``stream``, in order, up to the first number
+        still being written."""
+        with self._lock:
+            s = self._state.streams.get(stream)
+            if s is None:
+                return []
+            barrier = min(self._inflight.get(stream, ()), default=None)
+            return [(n, m) for n, m in s.messages.items() if barrier is None or n < barrier]
+
+    def sender_state(self, stream: str) -> dict[str, Any]:
+        """The state `messaging.sequencing.StreamSender.from_dict` takes for this stream."""
+        pending = self.pending(stream)
+        with self._lock:
+            s = self._state.stream(stream)
+            top = pending[-1][0] + 1 if pending else s.acked + 1
+            window = [[n, m.message_id, m.expires_at] for n, m in pending]
+            return {"version": 1, "stream": stream, "epoch": s.epoch, "next_seq": top,
+                    "acked": s.acked, "pending": window}  # fmt: skip
+
+    def acknowledge(self, stream: str, epoch: int, upto: int) -> int:
+        """Compact ``stream`` up to ``upto``; how many messages left. An ack of another epoch or
+        of a number not visible yet is ignored (0): it cannot be about this log's messages."""
+        with self._lock:
+            s = self._state.streams.get(stream)
+            if s is None or s.epoch != epoch or upto <= s.acked:
+                return 0
+            barrier = min(self._inflight.get(stream, ()), default=s.next_seq)
+            if upto >= barrier:
+                return 0
+            if stream.endswith(VOLATILE_SUFFIX):
+                return s.ack(upto)
+            gone = sum(1 for seq in s.messages if seq <= upto)
+        self._append([{"k": "A", "q": stream, "e": epoch, "u": upto}], force=False)
+        return gone
+
+    def drop_expired(self, stream: str, now_ms: int | None = None) -> list[tuple[int, Message]]:
+        """Remove the visible messages of ``stream`` whose ``expires_at`` has passed (a lazy
+        ``D`` record: one that comes back after a crash has expired all the same) and return
+        them, so the transfer side can relink the stream past them (seed 004)."""
+        now = self._clock() if now_ms is None else now_ms
+        expired = [
+            (n, m)
+            for n, m in self.pending(stream)
+            if m.expires_at is not None and m.expires_at <= now
+        ]
+        if not expired:
+            return []
+        epoch = self.epoch(stream)
+        record = {"k": "D", "q": stream, "e": epoch, "l": [n for n, _ in expired]}
+        if stream.endswith(VOLATILE_SUFFIX):
+            with self._lock:
+                self._state.apply(record)
+        else:
+            self._append([record], force=False)
+        return expired
+
+    def wait(self, seen: int, timeout: float | None = None) -> int:
+        """Block until ``version`` passes ``seen`` (or the timeout); return the version."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.version != seen, timeout)
+            return self.version
+
+    # -- the journal ---------------------------------------------------------------------------
+
+    def _append(self, records: Iterable[dict[str, Any]], force: bool) -> None:
+        """Write, then apply, inside the gate (so a rollover never sees one without the other)."""
+        for record in records:
+            payload = encode(record)
+            self._gate.enter_shared()
+            try:
+                try:
+                    self._journal.append(payload, force)
+                except LogWriteError as exc:
+                    raise LogWriteError(
+                        f"message log {self.directory}: {exc.message}", durable=exc.durable
+                    ) from exc
+                with self._lock:
+                    if record["k"] in ("C", "R"):
+                        self._hold_locked(self._state.prepared.get(record["g"], []), -1)
+                    self._state.apply(record)
+            finally:
+                self._gate.exit_shared()
+        self._maybe_rollover()
+
+    def _hold(self, messages: list[Message], delta: int) -> None:
+        with self._lock:
+            self._hold_locked(messages, delta)
+
+    def _hold_locked(self, messages: list[Message], delta: int) -> None:
+        for m in messages:
+            self._held[m.destination] = self._held.get(m.destination, 0) + delta
+
+    def _maybe_rollover(self) -> None:
+        if not self._journal.needs_rollover or not self._rolling.acquire(blocking=False):
+            return
+        try:
+            self._gate.enter_exclusive()
+            try:
+                if self._journal.needs_rollover:
+                    with self._lock:
+                        carry = self._state.live_records(self._clock(), self._tombstone_ms)
+                        self._state.committed.clear()
+                        self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
+                    self._journal.rollover(encode(r) for r in carry)
+            finally:
+                self._gate.exit_exclusive()
+        except Exception:
+            log.exception("message log %s: rollover failed, will retry", self.directory)
+        finally:
+            self._rolling.release()
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    def stats(self) -> MessageLogStats:
+        j = self._journal.stats()
+        with self._lock:
+            pending = sum(len(s.messages) for s in self._state.streams.values())
+            return MessageLogStats(
+                j.forced_records, j.lazy_records, j.fsyncs, j.rollovers,
+                len(self._state.prepared) + len(self._volatile_prepared),
+                len(self._state.tombstones), pending, len(self._state.streams),
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """Write lazy records (acknowledgments, tombstones), fsync, release the lock."""
+        self._journal.close()
+
+    def __enter__(self) -> MessageLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

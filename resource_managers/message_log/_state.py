@@ -1,0 +1,140 @@
+"""`LogState`: what the message log's records mean, as pure code the journal replays into.
+
+Every ``apply`` is idempotent: a rollover that crashed before deleting its old segment makes the
+journal replay carried records a second time.
+
+The epoch rule. A stream's epoch must never let a cursor confuse two histories of its numbers.
+Within one directory the numbers are continuous: every number handed to a reader is in a forced
+``C``/``1`` record, and ``S`` records carry the next number and the epoch across compaction, so
+a persistent stream keeps its epoch across restarts and crashes. What the log cannot prove is
+that a directory is the one that numbered a stream before (it may be new, restored or wiped), and
+non-persistent streams lose their numbers in every crash. Hence each open writes a forced ``O``
+record with an *incarnation* ``n = max(last incarnation + 1, wall-clock ms)``: a persistent stream
+first numbered in this directory takes the incarnation of that moment as its epoch, and every
+non-persistent stream takes the current incarnation (a new epoch at every open). A lost or new
+directory therefore starts above any epoch an earlier one used, unless the wall clock went back
+past it: operations must not restore an old log directory over a live one with a clock behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._records import VOLATILE_SUFFIX, Message, message_obj, to_message
+
+
+@dataclass
+class Stream:
+    """One stream: its epoch, the next number it will give, the highest acknowledged, and the
+    committed messages not acknowledged yet (number -> message, ascending)."""
+
+    name: str
+    epoch: int
+    next_seq: int = 1
+    acked: int = 0
+    messages: dict[int, Message] = field(default_factory=dict)
+
+    def add(self, seq: int, message: Message) -> None:
+        if seq > self.acked and seq not in self.messages:
+            if self.messages and seq < next(reversed(self.messages)):
+                self.messages = dict(sorted({**self.messages, seq: message}.items()))
+            else:
+                self.messages[seq] = message
+        self.next_seq = max(self.next_seq, seq + 1)
+
+    def ack(self, upto: int) -> int:
+        """Drop messages up to ``upto``; how many left."""
+        gone = [seq for seq in self.messages if seq <= upto]
+        for seq in gone:
+            del self.messages[seq]
+        self.acked = max(self.acked, upto)
+        return len(gone)
+
+
+class LogState:
+    """Prepared branches, streams, tombstones: everything the journal's records say."""
+
+    def __init__(self) -> None:
+        self.incarnation = 0
+        self.prepared: dict[str, list[Message]] = {}
+        self.streams: dict[str, Stream] = {}
+        self.tombstones: dict[str, int] = {}  # gid -> wall-clock ms of the rollback
+        self.committed: set[str] = set()  # gids whose commit record is in the journal
+
+    def stream(self, name: str) -> Stream:
+        found = self.streams.get(name)
+        if found is None:
+            found = self.streams[name] = Stream(name, max(1, self.incarnation))
+        return found
+
+    def apply(self, r: dict[str, Any]) -> None:
+        kind = r["k"]
+        if kind == "O":
+            self.incarnation = max(self.incarnation, r["n"])
+        elif kind == "P":
+            if r["g"] not in self.committed and r["g"] not in self.tombstones:
+                self.prepared[r["g"]] = [to_message(m) for m in r["m"]]
+        elif kind in ("C", "1"):
+            self._commit(r)
+        elif kind == "R":
+            self.prepared.pop(r["g"], None)
+            self.tombstones[r["g"]] = r["t"]
+        elif kind == "F":
+            self.tombstones.pop(r["g"], None)
+        else:
+            self._apply_stream(r)
+
+    def _apply_stream(self, r: dict[str, Any]) -> None:
+        """``A``, ``D``, ``S``, ``Q``: records about one stream. ``A`` and ``D`` of another epoch
+        are about a history this log no longer has, and are ignored."""
+        kind = r["k"]
+        if kind in ("A", "D"):
+            stream = self.streams.get(r["q"])
+            if stream is None or stream.epoch != r["e"]:
+                return
+            if kind == "A":
+                stream.ack(r["u"])
+            for seq in r.get("l", ()):
+                stream.messages.pop(seq, None)
+        elif kind == "S":
+            stream = self.stream(r["q"])
+            stream.epoch, stream.next_seq = r["e"], max(stream.next_seq, r["x"])
+            stream.acked = max(stream.acked, r["a"])
+        else:
+            self.stream(r["q"]).add(r["n"], to_message(r["o"]))
+
+    def _commit(self, r: dict[str, Any]) -> None:
+        gid = r["g"]
+        one_phase = r["k"] == "1"
+        messages = [to_message(m) for m in r["m"]] if one_phase else self.prepared.pop(gid, [])
+        self.committed.add(gid)
+        numbers = r["s"]
+        if messages and len(messages) != len(numbers):
+            raise ValueError(
+                f"commit of {gid}: {len(numbers)} numbers for {len(messages)} messages"
+            )
+        for index, (name, seq) in enumerate(numbers):
+            stream = self.stream(name)
+            if messages:
+                stream.add(seq, messages[index])
+            else:  # applied before (a duplicate) or compacted: the numbers still count
+                stream.next_seq = max(stream.next_seq, seq + 1)
+
+    def live_records(self, now_ms: int, tombstone_ms: int) -> list[dict[str, Any]]:
+        """What a rollover carries: the incarnation, streams and their messages, prepared
+        branches, and tombstones younger than ``tombstone_ms``."""
+        out: list[dict[str, Any]] = [{"k": "O", "n": self.incarnation}]
+        for s in self.streams.values():
+            if s.name.endswith(VOLATILE_SUFFIX):
+                continue
+            out.append({"k": "S", "q": s.name, "e": s.epoch, "x": s.next_seq, "a": s.acked})
+            out += [
+                {"k": "Q", "q": s.name, "n": n, "o": message_obj(m)} for n, m in s.messages.items()
+            ]
+        for gid, messages in self.prepared.items():
+            out.append({"k": "P", "g": gid, "m": [message_obj(m) for m in messages]})
+        for gid, at in self.tombstones.items():
+            if now_ms - at < tombstone_ms:
+                out.append({"k": "R", "g": gid, "t": at})
+        return out

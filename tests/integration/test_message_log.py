@@ -1,0 +1,440 @@
+"""The message log (capture side) against a real PostgreSQL branch and its own journal: what a
+commit publishes and in which order, what a rollback or a crash leaves, recovery, tombstones,
+compaction by acknowledgment, non-persistent messages, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from coordinator import (
+    FileDecisionLog,
+    IllegalStateError,
+    LogCorruptionError,
+    Outcome,
+    TransactionManager,
+    TransactionRolledBack,
+    Vote,
+    Xid,
+)
+from coordinator.decision_log import Decision
+from resource_managers.message_log import (
+    BranchRolledBack,
+    DestinationFullError,
+    InvalidMessageError,
+    MessageLog,
+    MessageLogResource,
+    ProducerBranch,
+)
+from resource_managers.postgres import PostgresResource
+from tests.support.managers import make_manager
+from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def engine(make_pg_database: Callable[[], str]) -> Iterator[sa.Engine]:
+    engine = ledger_engine(make_pg_database())
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def logdir(tmp_path: Path) -> Path:
+    return tmp_path / "mlog"
+
+
+@pytest.fixture
+def mlog(logdir: Path) -> Iterator[MessageLog]:
+    log = MessageLog(logdir)
+    yield log
+    log.close()
+
+
+def bodies(log: MessageLog, stream: str) -> list[tuple[int, bytes]]:
+    return [(seq, m.body) for seq, m in log.pending(stream)]
+
+
+def produce(tm: TransactionManager, db: PostgresResource, mr: MessageLogResource, tid: str) -> str:
+    with tm.transaction() as tx:
+        move(tx.join(db), tid, 1, 10)
+        branch: ProducerBranch = tx.join(mr)
+        return branch.send("orders", tid.encode(), headers={"tid": tid})
+
+
+def prepared(resource: MessageLogResource, gtrid: str, *bodies_: bytes) -> Xid:
+    xid = Xid.branch_of(gtrid, resource.name)
+    branch = resource.start(xid)
+    for body in bodies_:
+        branch.send("orders", body)
+    assert resource.prepare(xid) == Vote.COMMIT
+    return xid
+
+
+# -- capture inside a transaction with PostgreSQL ------------------------------------------------
+
+
+def test_atomicity_commit_publishes_in_commit_order(
+    engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager]
+) -> None:
+    db, mr = PostgresResource(engine, "db"), MessageLogResource(mlog)
+    tm = make_manager(managers, [db, mr])
+    ids = [produce(tm, db, mr, f"t{i}") for i in range(3)]
+    assert bodies(mlog, "orders") == [(1, b"t0"), (2, b"t1"), (3, b"t2")]
+    assert [m.message_id for _, m in mlog.pending("orders")] == ids
+    assert len(set(ids)) == 3
+    assert mlog.pending("orders")[0][1].headers == {"tid": "t0"}
+    assert transfer_ids(engine) == {"t0", "t1", "t2"}
+    assert prepared_gids(engine) == [] and mlog.prepared_gids() == []
+
+
+def test_atomicity_rollback_never_publishes(
+    engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager]
+) -> None:
+    db, mr = PostgresResource(engine, "db"), MessageLogResource(mlog)
+    tm = make_manager(managers, [db, mr])
+    with pytest.raises(RuntimeError), tm.transaction() as tx:
+        move(tx.join(db), "t1", 1, 10)
+        tx.join(mr).send("orders", b"never")
+        raise RuntimeError("the application changed its mind")
+    produce(tm, db, mr, "t2")
+    assert bodies(mlog, "orders") == [(1, b"t2")]
+    assert transfer_ids(engine) == {"t2"}
+
+
+def test_a_failing_database_branch_rolls_back_the_messages(
+    engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager]
+) -> None:
+    db, mr = PostgresResource(engine, "db"), MessageLogResource(mlog)
+    tm = make_manager(managers, [db, mr])
+    with pytest.raises(sa.exc.IntegrityError), tm.transaction() as tx:
+        tx.join(mr).send("orders", b"never")
+        tx.join(db).execute(sa.text("INSERT INTO transfers VALUES ('dup', 1), ('dup', 2)"))
+    assert mlog.pending("orders") == [] and mlog.prepared_gids() == []
+    assert mlog.stats().tombstones == 1
+
+
+def test_one_phase_and_read_only(mlog: MessageLog, managers: list[TransactionManager]) -> None:
+    mr = MessageLogResource(mlog)
+    tm = make_manager(managers, [mr])
+    before = mlog.stats().forced_records
+    with tm.transaction() as tx:
+        branch = tx.join(mr)
+        branch.send("a", b"1")
+        branch.send("b", b"2")
+        branch.send("a", b"3")
+    assert mlog.stats().forced_records == before + 1  # prepare and commit in one forced record
+    assert bodies(mlog, "a") == [(1, b"1"), (2, b"3")] and bodies(mlog, "b") == [(1, b"2")]
+    xid = Xid.branch_of("node-1:ro-1", mr.name)
+    mr.start(xid)
+    assert mr.prepare(xid) == Vote.READ_ONLY
+
+
+def test_concurrent_commits_are_numbered_without_gaps_and_in_order(
+    mlog: MessageLog, managers: list[TransactionManager]
+) -> None:
+    mr = MessageLogResource(mlog)
+    tm = make_manager(managers, [mr])
+    seen: list[list[int]] = []
+
+    def producer(n: int) -> None:
+        for i in range(25):
+            with tm.transaction() as tx:
+                tx.join(mr).send("orders", f"{n}-{i}".encode())
+            seen.append([seq for seq, _ in mlog.pending("orders")])
+
+    threads = [threading.Thread(target=producer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [seq for seq, _ in mlog.pending("orders")] == list(range(1, 101))
+    assert all(s == list(range(1, len(s) + 1)) for s in seen)  # every view is a gap-free prefix
+    for n in range(4):  # each producer's order is kept within the stream
+        mine = [m.body for _, m in mlog.pending("orders") if m.body.startswith(f"{n}-".encode())]
+        assert mine == [f"{n}-{i}".encode() for i in range(25)]
+
+
+# -- durability: reopen, recovery, tombstones ------------------------------------------------------
+
+
+def test_a_reopened_log_sees_committed_unacked_and_prepared_only(logdir: Path) -> None:
+    with MessageLog(logdir) as log:
+        mr = MessageLogResource(log)
+        committed = prepared(mr, "node-1:c-1", b"a", b"b")
+        assert mr.commit(committed) is None
+        open_xid = prepared(mr, "node-1:p-1", b"c")
+        rolled = prepared(mr, "node-1:r-1", b"d")
+        assert mr.rollback(rolled) is None
+        epoch = log.epoch("orders")
+    with MessageLog(logdir) as log:
+        mr = MessageLogResource(log)
+        assert bodies(log, "orders") == [(1, b"a"), (2, b"b")]
+        assert log.epoch("orders") == epoch  # continuity proven by the journal: same epoch
+        assert mr.recover() == [open_xid]
+        assert mr.commit(open_xid) is None
+        assert mr.commit(open_xid) is None  # idempotent
+        assert bodies(log, "orders") == [(1, b"a"), (2, b"b"), (3, b"c")]
+        assert mr.commit(rolled) == Outcome.HEURISTIC_ROLLBACK
+
+
+def test_presumed_abort_recovery_commits_decided_and_rolls_back_orphan(
+    engine: sa.Engine, tmp_path: Path, logdir: Path, managers: list[TransactionManager]
+) -> None:
+    db = PostgresResource(engine, "db")
+    with MessageLog(logdir) as log:
+        mr = MessageLogResource(log)
+        for gtrid, tid in (("node-1:old-1", "t1"), ("node-1:old-2", "t2")):
+            xid = Xid.branch_of(gtrid, db.name)
+            move(db.start(xid), tid, 1 if tid == "t1" else 2, 10)
+            assert db.prepare(xid) == Vote.COMMIT
+            prepared(mr, gtrid, tid.encode())
+    with FileDecisionLog(tmp_path / "dlog") as dlog:
+        dlog.log_commit(Decision("node-1:old-1", ("db", "mlog")))
+    log = MessageLog(logdir)
+    try:
+        mr = MessageLogResource(log)
+        assert len(mr.recover()) == 2
+        make_manager(managers, [db, mr], FileDecisionLog(tmp_path / "dlog"))  # recovers on start
+        assert bodies(log, "orders") == [(1, b"t1")]
+        assert mr.recover() == [] and prepared_gids(engine) == []
+        assert transfer_ids(engine) == {"t1"}
+        orphan = Xid.branch_of("node-1:old-2", mr.name)
+        late = mr.start(orphan)  # the orphan's tombstone refuses a late prepare
+        late.send("orders", b"late")
+        with pytest.raises(TransactionRolledBack):
+            mr.prepare(orphan)
+    finally:
+        log.close()
+
+
+def test_a_tombstone_refuses_a_late_prepare_until_forgotten(mlog: MessageLog) -> None:
+    mr = MessageLogResource(mlog)
+    xid = Xid.branch_of("node-1:x-1", mr.name)
+    mr.start(xid).send("orders", b"x")
+    assert mr.rollback(xid) is None  # e.g. the reaper, while the application still works
+    assert mr.rollback(xid) is None  # idempotent
+    with pytest.raises(IllegalStateError):  # the branch is gone
+        mr.prepare(xid)
+    mr.start(xid).send("orders", b"x")
+    with pytest.raises(TransactionRolledBack):
+        mr.prepare(xid)
+    assert mr.commit(xid) == Outcome.HEURISTIC_ROLLBACK
+    mr.forget(xid)
+    assert mr.commit(xid) is None
+    committed = prepared(mr, "node-1:x-2", b"y")
+    mr.commit(committed)
+    assert mr.rollback(committed) == Outcome.HEURISTIC_COMMIT
+    assert bodies(mlog, "orders") == [(1, b"y")]
+
+
+def test_acknowledgment_compacts_and_survives_reopen(logdir: Path) -> None:
+    with MessageLog(logdir, segment_bytes=4096) as log:
+        mr = MessageLogResource(log)
+        for i in range(1, 57):
+            mr.commit(prepared(mr, f"node-1:a-{i}", b"x" * 100))
+            assert log.acknowledge("orders", log.epoch("orders"), i) == 1
+            assert log.acknowledge("orders", log.epoch("orders"), i) == 0  # a repeat
+        assert log.stats().rollovers > 0
+        epoch = log.epoch("orders")
+        assert log.acknowledge("orders", epoch + 1, 100) == 0  # another epoch: ignored
+        assert log.acknowledge("orders", epoch, 10_000) == 0  # beyond what is visible: ignored
+        assert log.pending("orders") == []
+        mr.commit(prepared(mr, "node-1:b-1", b"last"))
+        assert bodies(log, "orders") == [(57, b"last")]
+        files = sum(f.stat().st_size for f in logdir.iterdir())
+    assert files < 3 * 4096
+    with MessageLog(logdir, segment_bytes=4096) as log:
+        assert bodies(log, "orders") == [(57, b"last")]
+        assert log.epoch("orders") == epoch
+        assert log.acknowledge("orders", epoch, 57) == 1
+    with MessageLog(logdir) as log:
+        assert log.pending("orders") == []
+        mr = MessageLogResource(log)
+        mr.commit(prepared(mr, "node-1:b-2", b"next"))
+        assert bodies(log, "orders") == [(58, b"next")]  # numbers never go back
+
+
+def test_non_persistent_messages_skip_fsync_and_vanish_in_a_crash(logdir: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import os
+        from coordinator import Xid
+        from resource_managers.message_log import MessageLog, MessageLogResource
+        log = MessageLog({str(logdir)!r})
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:np-1", mr.name)
+        mr.start(xid).send("news", b"gone", persistent=False)
+        before = log.stats()
+        assert mr.prepare(xid).value == "commit"
+        assert mr.commit(xid) is None
+        after = log.stats()
+        assert (after.fsyncs, after.forced_records) == (before.fsyncs, before.forced_records)
+        assert [m.body for _, m in log.pending("news#np")] == [b"gone"]
+        print(log.epoch("news#np"))
+        os._exit(0)  # no close: a crash as far as the log can tell
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    old_epoch = int(out.stdout)
+    with MessageLog(logdir) as log:
+        assert log.pending("news#np") == [] and log.prepared_gids() == []
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:np-2", mr.name)
+        mr.start(xid).send("news", b"new", persistent=False)
+        mr.prepare(xid)
+        mr.commit(xid)
+        assert log.epoch("news#np") > old_epoch  # a new epoch: the cursor never confuses them
+        assert bodies(log, "news#np") == [(1, b"new")]
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_at_send_and_stages_nothing(logdir: Path) -> None:
+    with MessageLog(logdir, max_message_bytes=1000, max_destination_messages=2) as log:
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:bad-1", mr.name)
+        branch = mr.start(xid)
+        with pytest.raises(InvalidMessageError, match="exceeds the limit of 1000"):
+            branch.send("orders", b"x" * 1001)
+        for bad in ("", "has space", "#np", "../etc", "x" * 201, 7):
+            with pytest.raises(InvalidMessageError, match="invalid destination"):
+                branch.send(bad, b"x")  # type: ignore[arg-type]
+        with pytest.raises(InvalidMessageError):
+            branch.send("orders", "text")  # type: ignore[arg-type]
+        with pytest.raises(InvalidMessageError):
+            branch.send("orders", b"x", headers={"k": 1})  # type: ignore[dict-item]
+        with pytest.raises(InvalidMessageError):
+            branch.send("orders", b"x", ttl=-1)
+        branch.send("orders", b"1")
+        branch.send("orders", b"2")
+        with pytest.raises(DestinationFullError, match="limit is 2"):
+            branch.send("orders", b"3")
+        assert len(branch.messages) == 2
+        assert mr.prepare(xid) == Vote.COMMIT
+        other = mr.start(Xid.branch_of("node-1:bad-2", mr.name))
+        with pytest.raises(DestinationFullError):
+            other.send("orders", b"4")  # prepared messages count too
+        mr.commit(xid)
+        with pytest.raises(DestinationFullError):
+            other.send("orders", b"4")
+        log.acknowledge("orders", log.epoch("orders"), 1)
+        other.send("orders", b"4")
+
+
+def test_a_corrupt_segment_refuses_to_open(logdir: Path) -> None:
+    with MessageLog(logdir) as log:
+        mr = MessageLogResource(log)
+        for i in range(5):
+            mr.commit(prepared(mr, f"node-1:c-{i}", b"payload-%d" % i))
+    [segment] = logdir.glob("*.seg")
+    data = bytearray(segment.read_bytes())
+    at = data.find(b'"k":"P"', data.find(b'"k":"P"') + 1)  # the second prepare record
+    assert at > 0
+    data[at] ^= 0x01
+    segment.write_bytes(bytes(data))
+    with pytest.raises(LogCorruptionError):
+        MessageLog(logdir)
+    assert os.path.exists(segment)
+
+
+# -- kill -9 at every message log crash point ------------------------------------------------------
+
+WORKER = REPO / "tests" / "crash" / "mlog_worker.py"
+
+
+def worker(
+    mode: str, url: str, tmp: Path, crash_at: str = "", start: int = 0
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TWOPC_CRASH_AT"}
+    if crash_at:
+        env["TWOPC_CRASH_AT"] = crash_at
+    argv = ["--db", url, "--log", str(tmp / "dlog"), "--mlog", str(tmp / "mlog")]
+    return subprocess.run(
+        [sys.executable, str(WORKER), mode, *argv, "--count", "5", "--start", str(start)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["mlog.mlog.after_prepare", "mlog.mlog.after_append", "mlog.mlog.after_commit"],
+)
+def test_exactly_once_after_kill_at_each_crash_point(
+    point: str, make_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    url = make_pg_database()
+    ledger_engine(url, accounts=1).dispose()
+    crashed = worker("run", url, tmp_path, crash_at=f"{point}:3")
+    assert crashed.returncode == -9, crashed.stderr
+    acked = [line.split()[1] for line in crashed.stdout.splitlines() if line.startswith("ACK")]
+    assert acked == ["m0", "m1"]
+    state = recovered(url, tmp_path)
+    bodies_ = [body for _, body in state["pending"]]
+    assert state["prepared"] == []  # no in-doubt residue
+    assert bodies_ == state["rows"]  # atomicity: a message exactly where its row is, once
+    assert [seq for seq, _ in state["pending"]] == list(range(1, len(bodies_) + 1))
+    # the third transaction: presumed abort before the decision, committed after it
+    expected = ["m0", "m1"] if point.endswith("after_prepare") else ["m0", "m1", "m2"]
+    assert bodies_ == expected
+    again = worker("run", url, tmp_path, start=10)
+    assert again.returncode == 0, again.stderr
+    state = recovered(url, tmp_path)  # the log went on numbering after the crash, no gap
+    expected += [f"m{i}" for i in range(10, 15)]
+    assert state["pending"] == [[seq, body] for seq, body in enumerate(expected, 1)]
+
+
+def recovered(url: str, tmp: Path) -> dict[str, Any]:
+    done = worker("recover", url, tmp)
+    assert done.returncode == 0, done.stderr
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("STATE ")]
+    state: dict[str, Any] = json.loads(line[len("STATE ") :])
+    return state
+
+
+def test_expired_messages_leave_the_stream_for_good(logdir: Path) -> None:
+    now = [1_000_000_000_000]
+    with MessageLog(logdir, clock_ms=lambda: now[0]) as log:
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:e-1", mr.name)
+        branch = mr.start(xid)
+        branch.send("orders", b"short", ttl=1)
+        branch.send("orders", b"long", ttl=60)
+        branch.send("orders", b"never")
+        mr.prepare(xid)
+        mr.commit(xid)
+        assert log.pending("orders")[0][1].expires_at == now[0] + 1000
+        assert log.drop_expired("orders") == []
+        now[0] += 2000
+        assert [(n, m.body) for n, m in log.drop_expired("orders")] == [(1, b"short")]
+        assert bodies(log, "orders") == [(2, b"long"), (3, b"never")]
+    with MessageLog(logdir) as log:
+        assert bodies(log, "orders") == [(2, b"long"), (3, b"never")]
+
+
+def test_a_prepare_racing_a_rollback_votes_no(logdir: Path) -> None:
+    """The tombstone lands between the resource's check and the prepare record: no yes vote."""
+    with MessageLog(logdir) as log:
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:race-1", mr.name)
+        branch = mr.start(xid)
+        branch.send("orders", b"x")
+        log.rollback(xid.to_gid())  # recovery's presumed abort, as if it ran just now
+        with pytest.raises(BranchRolledBack):
+            log.prepare(xid.to_gid(), branch.messages)
+    with MessageLog(logdir) as log:
+        assert log.prepared_gids() == [] and log.pending("orders") == []
