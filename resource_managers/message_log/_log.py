@@ -9,7 +9,7 @@ Numbers become visible in order: a commit takes its numbers under a lock, then w
 outside it (so concurrent commits share one fsync), and a reader sees a number only when every
 lower number of its stream is either visible or *burned* (its commit's write failed). Without
 that rule a transfer could send 7 before 6 and the cursor, accepting 7, would drop 6 as old.
-A burned number leaves a gap; the previous-number links of `messaging.sequencing` cover it.
+A burned number leaves a gap; the previous-number links of `resource_managers.sequencing` cover it.
 
 Non-persistent messages are never written: they are kept in memory, committed without a record
 and lost in a crash or close, as JMS allows.
@@ -276,7 +276,7 @@ class MessageLog:
             return [(n, m) for n, m in s.messages.items() if barrier is None or n < barrier]
 
     def sender_state(self, stream: str) -> dict[str, Any]:
-        """The state `messaging.sequencing.StreamSender.from_dict` takes for this stream."""
+        """The state `resource_managers.sequencing.StreamSender.from_dict` takes for this stream."""
         pending = self.pending(stream)
         with self._lock:
             s = self._state.stream(stream)

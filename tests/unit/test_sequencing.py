@@ -1,4 +1,4 @@
-"""The rules of `messaging.sequencing`, one test per rule, each naming the seed it checks.
+"""The rules of `resource_managers.sequencing`, one test per rule, each naming the seed it checks.
 
 Seed 000 is the claim's transfer protocol (send, start a timer, resend on expiry, the cursor acks,
 the log deletes on the ack: at-least-once); seed 004 is MSMQ's exactly-once in-order delivery
@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.backoff import ExponentialBackoff
 from coordinator.errors import FrameError, IllegalStateError
-from messaging.sequencing import (
+from resource_managers.sequencing import (
     MAX_NUMBER,
     Ack,
     AckVerdict,

@@ -38,7 +38,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from messaging.sequencing import (
+from resource_managers.sequencing import (
     Ack,
     AckVerdict,
     DoublingBackoff,

@@ -1,0 +1,28 @@
+"""The cursor: the delivery side of exactly-once messaging (seed 000's cursor).
+
+`Cursor` is the durable store on the coordinator's journal: it accepts transferred messages
+through `..sequencing.StreamFilter` (persisting each with its stream's filter state before
+acknowledging) and keeps them per destination until consumed. `CursorResource` makes it a
+two-phase participant whose branches (`ConsumerBranch`) ``receive`` messages.
+"""
+
+from ._cursor import (
+    DEFAULT_MAX_DELIVERIES,
+    BranchRolledBack,
+    Cursor,
+    CursorStats,
+    Delivery,
+)
+from ._records import DLQ_SUFFIX
+from .resource import ConsumerBranch, CursorResource
+
+__all__ = [
+    "DEFAULT_MAX_DELIVERIES",
+    "DLQ_SUFFIX",
+    "BranchRolledBack",
+    "ConsumerBranch",
+    "Cursor",
+    "CursorResource",
+    "CursorStats",
+    "Delivery",
+]

@@ -1,0 +1,99 @@
+"""The cursor's journal records, with a strict codec (the message log's conventions: JSON objects
+with one-letter keys, ASCII, bodies in base64; a record that passes its CRC but not its schema is a
+`LogCorruptionError`). Messages reuse `resource_managers.message_log`'s `Message` and its codec.
+
+Kinds (``k``):
+
+- ``M`` accepted: ``q`` stream, ``e`` epoch, ``n`` sequence number, ``o`` the message. The message
+  and the stream's new filter state (``e``, ``n``) in one forced write: persist before acking
+  (lazy for a non-persistent stream, ``<destination>#np``).
+- ``H`` handed out: ``g`` gid, ``i`` message ids, ``c`` 1 (a delivery: each count + 1, forced) or
+  0 (carried by rollover: no count).
+- ``P`` prepare: ``g``, ``i`` the ids the branch deletes (forced).
+- ``C`` commit: ``g``, ``i`` the ids deleted (forced; also the one-phase commit).
+- ``R`` rollback: ``g``, ``t`` wall-clock ms (the tombstone), ``i`` ids made available again,
+  ``x`` ``[id, reason]`` moved to their dead-letter queue instead (lazy).
+- ``F`` forget: ``g`` (lazy).
+- ``X`` expired: ``i`` the available messages dropped because their ``expires_at`` passed (lazy).
+- ``S`` a stream's filter state, carried by rollover: ``q``, ``e``, ``l`` last accepted.
+- ``Q`` a message, carried by rollover: ``o`` the message, ``a`` its arrival order, ``c`` its
+  delivery count, ``u`` its queue (its destination or ``<destination>.DLQ``), ``r`` reason or null.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coordinator.errors import LogCorruptionError
+from resource_managers.message_log._records import message_obj, to_message
+
+__all__ = ["decode", "encode", "message_obj", "to_message"]
+
+DLQ_SUFFIX = ".DLQ"
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    """Parse and check one record's shape; the state applies it."""
+    try:
+        obj = json.loads(payload)
+        if not isinstance(obj, dict):
+            raise TypeError("record is not an object")
+        for key in _SCHEMA[obj["k"]]:
+            _CHECKS[key](obj[key])
+        return obj
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LogCorruptionError(f"undecodable cursor record {payload[:120]!r}: {exc}") from exc
+
+
+def _str(value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
+
+
+def _opt_str(value: object) -> None:
+    if value is not None:
+        _str(value)
+
+
+def _int(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{value!r} is not a non-negative integer")
+
+
+def _strs(value: object) -> None:
+    if not isinstance(value, list):
+        raise TypeError("ids are not a list")
+    for v in value:
+        _str(v)
+
+
+def _pairs(value: object) -> None:
+    if not isinstance(value, list):
+        raise TypeError("moves are not a list")
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise TypeError("a move is not [id, reason]")
+        _str(pair[0])
+        _str(pair[1])
+
+
+_CHECKS: dict[str, Any] = {
+    "q": _str, "e": _int, "n": _int, "o": to_message, "g": _str, "i": _strs, "c": _int,
+    "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str,
+}  # fmt: skip
+_SCHEMA: dict[str, tuple[str, ...]] = {
+    "M": ("q", "e", "n", "o"),
+    "H": ("g", "i", "c"),
+    "P": ("g", "i"),
+    "C": ("g", "i"),
+    "R": ("g", "t", "i", "x"),
+    "F": ("g",),
+    "X": ("i",),
+    "S": ("q", "e", "l"),
+    "Q": ("o", "a", "c", "u", "r"),
+}

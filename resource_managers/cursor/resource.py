@@ -1,0 +1,174 @@
+"""`CursorResource`: the cursor as a two-phase participant (the delivery side).
+
+``tx.join(cursor)`` returns a `ConsumerBranch`; ``receive(destination, timeout=...)`` hands the
+first available message of the destination to this branch alone (a forced ``H`` record raises its
+delivery count first), waiting on the cursor's condition up to ``timeout`` seconds.
+
+- **prepare**: nothing received votes ``READ_ONLY``. Otherwise one forced ``P`` record makes the
+  branch's deletions durable. A gid with a tombstone is refused (`BranchRolledBack`).
+- **commit** (idempotent): one forced ``C`` record deletes the messages. A repeat or an unknown gid
+  is done (None); a gid with a tombstone reports ``HEURISTIC_ROLLBACK``. ``one_phase``: the ``C``
+  record straight from the received messages.
+- **rollback** (idempotent): the messages become available again, in their place, with
+  ``redelivered`` and the count raised at their next delivery; a message already delivered
+  ``max_deliveries`` times moves to ``<destination>.DLQ`` with the reason, in the same (lazy) ``R``
+  record, which also leaves the tombstone. A gid whose commit record is in the journal reports
+  ``HEURISTIC_COMMIT``.
+- **recover**: every prepared gid of this resource's name. **forget** drops a tombstone.
+
+Crash points: ``cursor.<name>.after_receive`` (the ``H`` record is durable, the message not yet
+returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from coordinator import (
+    IllegalStateError,
+    InvalidXidError,
+    Outcome,
+    ProgrammingError,
+    Vote,
+    Xid,
+)
+from coordinator.crashpoints import crash_point
+from coordinator.xid import validate_resource_name
+from resource_managers.message_log import validate_destination
+
+from ._cursor import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Cursor, Delivery
+
+
+class ConsumerBranch:
+    """One transaction's receipts. Not thread-safe (one transaction)."""
+
+    def __init__(self, resource: CursorResource, xid: Xid) -> None:
+        self._resource = resource
+        self.xid = xid
+        self.deliveries: list[Delivery] = []
+        self.closed = False
+
+    def receive(self, destination: str, timeout: float | None = 0.0) -> Delivery | None:
+        """The next message of ``destination`` (or of a dead-letter queue, ``<d>.DLQ``), or None
+        after ``timeout`` seconds without one (None: wait for ever)."""
+        if self.closed:
+            raise IllegalStateError(f"{self._resource.name}: receive after the branch ended")
+        validate_destination(destination)
+        r = self._resource
+        delivery = r.cursor.take(self.xid.to_gid(), destination, timeout)
+        if delivery is not None:
+            crash_point(f"cursor.{r.name}.after_receive")
+            self.deliveries.append(delivery)
+        return delivery
+
+
+class CursorResource:
+    """A `Cursor` as a resource manager. ``name`` is the bqual: keep it stable."""
+
+    def __init__(
+        self,
+        cursor: Cursor,
+        name: str = "cursor",
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        *,
+        sort_key: str | None = None,
+    ) -> None:
+        if max_deliveries < 1:
+            raise ProgrammingError("max_deliveries must be >= 1")
+        self._name = validate_resource_name(name)
+        self._sort_key = sort_key or self._name
+        self.cursor = cursor
+        self.max_deliveries = max_deliveries
+        self._lock = threading.Lock()
+        self._branches: dict[Xid, ConsumerBranch] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sort_key(self) -> str:
+        return self._sort_key
+
+    def __repr__(self) -> str:
+        return f"CursorResource({self._name!r}, {str(self.cursor.directory)!r})"
+
+    def start(self, xid: Xid) -> ConsumerBranch:
+        self._check(xid)
+        branch = ConsumerBranch(self, xid)
+        with self._lock:
+            if xid in self._branches:
+                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
+            self._branches[xid] = branch
+        return branch
+
+    def prepare(self, xid: Xid) -> Vote:
+        self._take(xid)
+        if not self.cursor.prepare(xid.to_gid()):
+            return Vote.READ_ONLY
+        crash_point(f"cursor.{self._name}.after_prepare")
+        return Vote.COMMIT
+
+    def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
+        gid = self._check(xid).to_gid()
+        if one_phase:
+            self._take(xid)
+            if self.cursor.is_tombstoned(gid):
+                raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone)")
+            self.cursor.commit(gid)
+            return None
+        with self._lock:
+            if xid in self._branches:
+                raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+        if self.cursor.is_tombstoned(gid):
+            return Outcome.HEURISTIC_ROLLBACK
+        if self.cursor.is_prepared(gid):
+            self.cursor.commit(gid)
+            crash_point(f"cursor.{self._name}.after_commit")
+        return None
+
+    def rollback(self, xid: Xid) -> Outcome | None:
+        gid = self._check(xid).to_gid()
+        with self._lock:
+            branch = self._branches.pop(xid, None)
+        if branch is not None:
+            branch.closed = True
+        if self.cursor.is_committed(gid):
+            return Outcome.HEURISTIC_COMMIT
+        self.cursor.rollback(gid, self.max_deliveries)
+        return None
+
+    def recover(self) -> list[Xid]:
+        found = []
+        for gid in self.cursor.prepared_gids():
+            try:
+                xid = Xid.from_gid(gid)
+            except InvalidXidError:
+                continue
+            if xid.bqual == self._name:
+                found.append(xid)
+        return found
+
+    def forget(self, xid: Xid) -> None:
+        self.cursor.forget(self._check(xid).to_gid())
+
+    def gauges(self) -> dict[str, Any]:
+        return {
+            f"cursor_{self._name}_available": lambda: float(self.cursor.stats().available),
+            f"cursor_{self._name}_in_flight": lambda: float(self.cursor.stats().in_flight),
+            f"cursor_{self._name}_prepared": lambda: float(self.cursor.stats().prepared),
+        }
+
+    def _take(self, xid: Xid) -> ConsumerBranch:
+        with self._lock:
+            branch = self._branches.pop(self._check(xid), None)
+        if branch is None:
+            raise IllegalStateError(f"{self._name}: no active branch {xid}")
+        branch.closed = True
+        return branch
+
+    def _check(self, xid: Xid) -> Xid:
+        if xid.bqual != self._name:
+            raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
+        return xid

@@ -1,0 +1,444 @@
+"""The cursor (delivery side) on its own journal: accepting through the receiver's filter and
+persisting before acknowledging, receiving in transactions (commit deletes once, rollback
+redelivers with the count raised, the dead-letter queue), delivery counts across a kill -9,
+competing consumers, recovery by a new manager, rollover, and a corrupt segment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from coordinator import (
+    FileDecisionLog,
+    IllegalStateError,
+    LogCorruptionError,
+    Outcome,
+    ProgrammingError,
+    TransactionManager,
+    TransactionRolledBack,
+    Vote,
+    Xid,
+)
+from coordinator.decision_log import Decision
+from resource_managers.cursor import (
+    BranchRolledBack,
+    ConsumerBranch,
+    Cursor,
+    CursorResource,
+    Delivery,
+)
+from resource_managers.message_log import Message
+from resource_managers.postgres import PostgresResource
+from resource_managers.sequencing import Ack, Frame, Verdict
+from tests.support.managers import make_manager
+from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def curdir(tmp_path: Path) -> Path:
+    return tmp_path / "cursor"
+
+
+@pytest.fixture
+def cursor(curdir: Path) -> Iterator[Cursor]:
+    c = Cursor(curdir)
+    yield c
+    c.close()
+
+
+def message(body: bytes, destination: str = "orders") -> Message:
+    return Message(uuid.uuid4().hex, destination, body, {"h": body.decode()})
+
+
+def feed(c: Cursor, *bodies: bytes, stream: str = "orders", epoch: int = 7) -> list[Message]:
+    """Accept ``bodies`` as the next numbers of ``stream``, in order."""
+    last = c.ack_for(stream).seq if c.ack_for(stream).epoch == epoch else 0
+    out = []
+    for body in bodies:
+        m = message(body, stream)
+        ack = c.deliver(Frame(stream, epoch, last + 1, last, m.message_id), m)
+        assert ack == Ack(stream, epoch, last + 1)
+        last += 1
+        out.append(m)
+    return out
+
+
+def available(c: Cursor, queue: str = "orders") -> list[bytes]:
+    return [d.body for d in c.available(queue)]
+
+
+def received(tm: TransactionManager, cr: CursorResource, fail: bool = False) -> Delivery | None:
+    """Receive one message of ``orders`` in a transaction; roll it back if ``fail``."""
+    got: list[Delivery | None] = []
+    try:
+        with tm.transaction() as tx:
+            branch: ConsumerBranch = tx.join(cr)
+            got.append(branch.receive("orders"))
+            if fail:
+                raise RuntimeError("handler failed")
+    except RuntimeError:
+        pass
+    return got[0]
+
+
+# -- accepting -------------------------------------------------------------------------------------
+
+
+def test_accept_in_order_drops_duplicates_and_gaps_and_survives_reopen(curdir: Path) -> None:
+    with Cursor(curdir) as c:
+        m1, m2, m3 = (message(b"m%d" % i) for i in (1, 2, 3))
+        assert c.deliver(Frame("orders", 7, 1, 0, m1.message_id), m1) == Ack("orders", 7, 1)
+        out_of_order = c.offer(Frame("orders", 7, 3, 2, m3.message_id))
+        assert out_of_order.verdict is Verdict.OUT_OF_ORDER
+        assert out_of_order.ack == Ack("orders", 7, 1)  # dropped and re-acked
+        assert c.deliver(Frame("orders", 7, 3, 2, m3.message_id), m3) == Ack("orders", 7, 1)
+        decision = c.offer(Frame("orders", 7, 2, 1, m2.message_id))
+        assert c.accept(m2, decision) == Ack("orders", 7, 2)  # persisted, then acked
+        assert c.deliver(Frame("orders", 7, 2, 1, m2.message_id), m2) == Ack("orders", 7, 2)
+        stale = c.offer(Frame("orders", 6, 9, 0, "old"))
+        assert stale.verdict is Verdict.STALE_EPOCH and stale.ack == Ack("orders", 7, 2)
+        assert available(c) == [b"m1", b"m2"]
+    with Cursor(curdir) as c:  # the filter state and the messages came back from the journal
+        assert c.filter_state() == {"version": 1, "streams": {"orders": {"epoch": 7, "last": 2}}}
+        assert c.offer(Frame("orders", 7, 2, 1, m2.message_id)).verdict is Verdict.DUPLICATE
+        assert c.deliver(Frame("orders", 7, 3, 2, m3.message_id), m3) == Ack("orders", 7, 3)
+        new_epoch = message(b"n1")
+        assert c.deliver(Frame("orders", 8, 1, 0, new_epoch.message_id), new_epoch) == Ack(
+            "orders", 8, 1
+        )
+        assert available(c) == [b"m1", b"m2", b"m3", b"n1"]
+        assert c.available("orders")[0].headers == {"h": "m1"}
+
+
+def test_accept_refuses_a_drop_a_wrong_message_and_a_stale_decision(cursor: Cursor) -> None:
+    m1, m2 = message(b"m1"), message(b"m2")
+    first = cursor.offer(Frame("orders", 1, 1, 0, m1.message_id))
+    with pytest.raises(ProgrammingError):
+        cursor.accept(m2, first)  # the frame names another message
+    cursor.accept(m1, first)
+    with pytest.raises(IllegalStateError):
+        cursor.accept(m1, first)  # the stream moved: applying it twice would duplicate
+    with pytest.raises(ProgrammingError):
+        cursor.accept(m1, cursor.offer(Frame("orders", 1, 1, 0, m1.message_id)))  # a duplicate
+    assert available(cursor) == [b"m1"]
+
+
+def test_a_prepare_racing_a_rollback_votes_no_and_loses_nothing(cursor: Cursor) -> None:
+    feed(cursor, b"a")
+    gid = Xid.branch_of("node-1:race", "cursor").to_gid()
+    assert cursor.take(gid, "orders") is not None
+    cursor.rollback(gid)  # recovery's presumed abort, as if it ran just now
+    with pytest.raises(BranchRolledBack):
+        cursor.prepare(gid)
+    with pytest.raises(BranchRolledBack):
+        cursor.take(gid, "orders")
+    [again] = cursor.available("orders")
+    assert again.body == b"a" and again.delivery_count == 1
+
+
+def test_receive_blocks_until_a_message_is_accepted(cursor: Cursor) -> None:
+    cr = CursorResource(cursor)
+    branch = cr.start(Xid.branch_of("node-1:wait", cr.name))
+    assert branch.receive("orders", timeout=0.05) is None
+    timer = threading.Timer(0.1, feed, (cursor, b"late"))
+    timer.start()
+    delivery = branch.receive("orders", timeout=5)
+    timer.join()
+    assert delivery is not None and delivery.body == b"late" and delivery.delivery_count == 1
+
+
+def test_expired_messages_are_dropped_and_non_persistent_ones_skip_the_fsync(
+    curdir: Path,
+) -> None:
+    clock = [1_000_000]
+    with Cursor(curdir, clock_ms=lambda: clock[0]) as c:
+        cr = CursorResource(c)
+        soon, later, never = (
+            Message(uuid.uuid4().hex, "orders", body, {}, True, expires)
+            for body, expires in ((b"soon", 1_000_500), (b"later", 1_005_000), (b"never", None))
+        )
+        for seq, m in enumerate((soon, later, never), 1):
+            c.deliver(Frame("orders", 1, seq, seq - 1, m.message_id), m)
+        forced = c.stats().forced_records
+        volatile = Message(uuid.uuid4().hex, "orders", b"volatile", {}, False)
+        assert c.deliver(Frame("orders#np", 3, 1, 0, volatile.message_id), volatile) == Ack(
+            "orders#np", 3, 1
+        )
+        assert c.stats().forced_records == forced  # accepted without an fsync
+        clock[0] = 1_001_000
+        branch = cr.start(Xid.branch_of("node-1:exp", cr.name))
+        got = branch.receive("orders")
+        assert got is not None and got.body == b"later"  # "soon" expired at the head
+        assert available(c) == [b"never", b"volatile"]
+    with Cursor(curdir, clock_ms=lambda: clock[0]) as c:  # the drop is in the journal
+        assert [d.body for d in c.available("orders")] == [b"later", b"never", b"volatile"]
+
+
+# -- consuming -------------------------------------------------------------------------------------
+
+
+def test_commit_deletes_exactly_once_two_phase_and_one_phase(
+    cursor: Cursor, managers: list[TransactionManager]
+) -> None:
+    cr = CursorResource(cursor)
+    feed(cursor, b"a", b"b", b"c")
+    tm = make_manager(managers, [cr])
+    delivery = received(tm, cr)  # one participant: one-phase commit
+    assert delivery is not None and delivery.body == b"a" and not delivery.redelivered
+    xid = Xid.branch_of("node-1:two", cr.name)
+    got = cr.start(xid).receive("orders")
+    assert got is not None and got.body == b"b"
+    assert cr.prepare(xid) == Vote.COMMIT
+    assert available(cursor) == [b"c"]
+    assert cr.commit(xid) is None
+    assert cr.commit(xid) is None  # idempotent
+    assert cr.rollback(xid) == Outcome.HEURISTIC_COMMIT
+    assert available(cursor) == [b"c"] and cursor.delivery_count(got.message_id) is None
+    empty = Xid.branch_of("node-1:empty", cr.name)
+    assert cr.start(empty).receive("nothing-here") is None
+    assert cr.prepare(empty) == Vote.READ_ONLY
+
+
+def test_rollback_redelivers_in_place_with_the_count_raised(
+    curdir: Path, managers: list[TransactionManager]
+) -> None:
+    with Cursor(curdir) as c:
+        cr = CursorResource(c)
+        feed(c, b"a", b"b")
+        tm = make_manager(managers, [cr])
+        first = received(tm, cr, fail=True)
+        assert first is not None and first.delivery_count == 1 and not first.redelivered
+        assert available(c) == [b"a", b"b"]  # back in its place, ahead of b
+        again = received(tm, cr, fail=True)
+        assert again is not None and again.body == b"a"
+        assert again.redelivered and again.delivery_count == 2
+    with Cursor(curdir) as c:
+        cr = CursorResource(c)
+        assert [d.delivery_count for d in c.available("orders")] == [2, 0]
+        tm = make_manager(managers, [cr])
+        third = received(tm, cr)
+        assert third is not None and third.body == b"a" and third.delivery_count == 3
+        assert available(c) == [b"b"]
+
+
+def test_past_max_deliveries_the_message_moves_to_the_dead_letter_queue(
+    curdir: Path, managers: list[TransactionManager]
+) -> None:
+    with Cursor(curdir) as c:
+        cr = CursorResource(c, max_deliveries=3)
+        feed(c, b"poison", b"fine")
+        tm = make_manager(managers, [cr])
+        deliveries = [received(tm, cr, fail=True) for _ in range(3)]
+        assert [(d.body, d.delivery_count) for d in deliveries if d is not None] == [
+            (b"poison", 1), (b"poison", 2), (b"poison", 3),
+        ]  # fmt: skip
+        assert available(c) == [b"fine"]
+        [dead] = c.available("orders.DLQ")
+        assert dead.body == b"poison" and dead.delivery_count == 3
+        assert dead.reason is not None and "max_deliveries 3" in dead.reason
+    with Cursor(curdir) as c:  # the move is durable, and the DLQ is a queue like any other
+        cr = CursorResource(c, max_deliveries=3)
+        tm = make_manager(managers, [cr])
+        with tm.transaction() as tx:
+            got = tx.join(cr).receive("orders.DLQ")
+        assert got is not None and got.body == b"poison" and got.queue == "orders.DLQ"
+        assert got.reason is not None and c.available("orders.DLQ") == []
+
+
+def test_consume_with_postgresql_exactly_once(
+    cursor: Cursor, make_pg_database: Callable[[], str], managers: list[TransactionManager]
+) -> None:
+    """Each message updates PostgreSQL in the consuming transaction; a failing database branch
+    rolls the receipt back and the message comes again, redelivered, and commits once."""
+    engine = ledger_engine(make_pg_database())
+    try:
+        db, cr = PostgresResource(engine, "db"), CursorResource(cursor)
+        tm = make_manager(managers, [db, cr])
+        feed(cursor, b"t1", b"t2")
+        with engine.begin() as conn:  # t2's insert will collide once
+            conn.execute(sa.text("INSERT INTO transfers VALUES ('t2', 0)"))
+        seen: list[tuple[bytes, int]] = []
+        for _ in range(3):
+            try:
+                with tm.transaction() as tx:
+                    delivery = tx.join(cr).receive("orders")
+                    assert delivery is not None
+                    seen.append((delivery.body, delivery.delivery_count))
+                    move(tx.join(db), delivery.body.decode(), 1, 10)
+            except sa.exc.IntegrityError:
+                with engine.begin() as conn:
+                    conn.execute(sa.text("DELETE FROM transfers WHERE id = 't2'"))
+        assert seen == [(b"t1", 1), (b"t2", 1), (b"t2", 2)]
+        assert transfer_ids(engine) == {"t1", "t2"} and prepared_gids(engine) == []
+        assert cursor.stats().available == 0 and cursor.prepared_gids() == []
+    finally:
+        engine.dispose()
+
+
+# -- crashes ---------------------------------------------------------------------------------------
+
+KILLED_CONSUMER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from coordinator import Xid
+    from resource_managers.cursor import Cursor, CursorResource
+    cr = CursorResource(Cursor(sys.argv[1]))
+    got = cr.start(Xid.branch_of(sys.argv[2], cr.name)).receive("orders")
+    print(got.body.decode(), got.delivery_count, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # a poison message: the handler takes the process down
+    """
+)
+
+
+def test_delivery_counts_survive_kill_9_and_a_poison_message_reaches_the_dlq(
+    curdir: Path,
+) -> None:
+    with Cursor(curdir) as c:
+        feed(c, b"poison")
+    seen = []
+    for attempt in range(5):
+        done = subprocess.run(
+            [sys.executable, "-c", KILLED_CONSUMER, str(curdir), f"node-1:kill-{attempt}"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == -9, done.stderr
+        seen.append(done.stdout.split())
+    assert seen == [["poison", str(n)] for n in range(1, 6)]
+    with Cursor(curdir) as c:  # the fifth dead branch, rolled back at this open, hit the limit
+        assert c.available("orders") == []
+        [dead] = c.available("orders.DLQ")
+        assert dead.body == b"poison" and dead.delivery_count == 5
+
+
+def test_a_prepared_branch_survives_reopen_and_recovery_finishes_it(
+    curdir: Path, tmp_path: Path, managers: list[TransactionManager]
+) -> None:
+    with Cursor(curdir) as c:
+        cr = CursorResource(c)
+        feed(c, b"decided", b"orphan", b"rest")
+        for gtrid in ("node-1:old-1", "node-1:old-2"):
+            xid = Xid.branch_of(gtrid, cr.name)
+            assert cr.start(xid).receive("orders") is not None
+            assert cr.prepare(xid) == Vote.COMMIT
+        assert available(c) == [b"rest"]
+    with FileDecisionLog(tmp_path / "dlog") as dlog:
+        dlog.log_commit(Decision("node-1:old-1", ("cursor",)))
+    with Cursor(curdir) as c:
+        cr = CursorResource(c)
+        assert len(cr.recover()) == 2 and available(c) == [b"rest"]
+        make_manager(managers, [cr], FileDecisionLog(tmp_path / "dlog"))  # recovers on start
+        assert cr.recover() == []
+        assert available(c) == [b"orphan", b"rest"]  # presumed abort: available again
+        [orphan, _] = c.available("orders")
+        assert orphan.delivery_count == 1
+        late = Xid.branch_of("node-1:old-2", cr.name)  # the orphan's tombstone
+        with pytest.raises(BranchRolledBack):
+            cr.start(late).receive("orders")
+        with pytest.raises(TransactionRolledBack):
+            cr.prepare(late)
+        cr.forget(late)
+        assert c.stats().tombstones == 0
+
+
+# -- concurrency -----------------------------------------------------------------------------------
+
+
+def test_competing_consumers_never_get_the_same_message(
+    cursor: Cursor, managers: list[TransactionManager]
+) -> None:
+    cr = CursorResource(cursor)
+    tm = make_manager(managers, [cr])
+    sent = feed(cursor, *(b"m%03d" % i for i in range(60)))
+    got: list[list[tuple[str, bool]]] = [[] for _ in range(4)]
+
+    def consume(me: int) -> None:
+        while True:
+            with tm.transaction() as tx:
+                delivery = tx.join(cr).receive("orders", timeout=0.2)
+                if delivery is None:
+                    return
+                got[me].append((delivery.message_id, delivery.redelivered))
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    everything = [mid for mine in got for mid, _ in mine]
+    assert sorted(everything) == sorted(m.message_id for m in sent)  # each once, none lost
+    assert not any(redelivered for mine in got for _, redelivered in mine)
+    order = {m.message_id: i for i, m in enumerate(sent)}
+    for mine in got:  # each consumer sees the stream in order
+        assert [order[mid] for mid, _ in mine] == sorted(order[mid] for mid, _ in mine)
+    assert cursor.stats().available == 0 and cursor.stats().in_flight == 0
+
+
+def test_streams_accept_concurrently_each_in_order(cursor: Cursor) -> None:
+    streams = [f"s{i}" for i in range(4)]
+    threads = [threading.Thread(target=feed, args=(cursor, *(b"%d" % n for n in range(25))),
+                                kwargs={"stream": s}) for s in streams]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in streams:
+        assert available(cursor, s) == [b"%d" % n for n in range(25)]
+        assert cursor.ack_for(s) == Ack(s, 7, 25)
+
+
+# -- the journal -----------------------------------------------------------------------------------
+
+
+def test_rollover_carries_messages_counts_branches_and_filter(
+    curdir: Path, managers: list[TransactionManager]
+) -> None:
+    with Cursor(curdir, segment_bytes=4096) as c:
+        cr = CursorResource(c, max_deliveries=2)
+        tm = make_manager(managers, [cr])
+        feed(c, *(b"x%02d" % i for i in range(40)))
+        for _ in range(2):
+            received(tm, cr, fail=True)  # x00 to the DLQ
+        for _ in range(10):
+            received(tm, cr)  # x01..x10 consumed
+        received(tm, cr, fail=True)  # x11 counted once
+        xid = Xid.branch_of("node-1:held", cr.name)
+        assert cr.start(xid).receive("orders") is not None  # x11 again (count 2), prepared
+        assert cr.prepare(xid) == Vote.COMMIT
+        feed(c, *(b"y%02d" % i for i in range(20)))
+        assert c.stats().rollovers > 0
+    with Cursor(curdir, segment_bytes=4096) as c:
+        cr = CursorResource(c, max_deliveries=2)
+        assert cr.recover() == [xid]
+        assert [d.body for d in c.available("orders.DLQ")] == [b"x00"]
+        bodies = available(c)
+        assert bodies[:2] == [b"x12", b"x13"] and len(bodies) == 28 + 20
+        assert c.filter_state()["streams"]["orders"] == {"epoch": 7, "last": 60}
+        assert cr.rollback(xid) is None  # its second delivery: to the DLQ, behind x00
+        assert [(d.body, d.delivery_count) for d in c.available("orders.DLQ")] == [
+            (b"x00", 2), (b"x11", 2),
+        ]  # fmt: skip
+
+
+def test_a_corrupt_segment_refuses_to_open(curdir: Path) -> None:
+    with Cursor(curdir) as c:
+        feed(c, b"one", b"two", b"three")
+    [segment] = curdir.glob("*.seg")
+    data = bytearray(segment.read_bytes())
+    at = data.find(b'"k":"M"', data.find(b'"k":"M"') + 1)  # the second accepted message
+    assert at > 0
+    data[at] ^= 0x01
+    segment.write_bytes(bytes(data))
+    with pytest.raises(LogCorruptionError):
+        Cursor(curdir)
+    assert os.path.exists(segment)
