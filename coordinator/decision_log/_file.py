@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from coordinator.errors import LogCorruptionError, LogWriteError
-from coordinator.journal import DEFAULT_SEGMENT_BYTES, FileOps, Gate, Journal
+from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
 
 from ._base import Decision, HeuristicRecord, LogStats
 from ._memory import Clock, End, Forget, LogState, Record, admit
@@ -125,7 +124,6 @@ class FileDecisionLog:
         self._state = LogState()
         self._clock = clock
         self._gate = Gate()
-        self._rolling = threading.Lock()
         self._journal = Journal(
             self.directory,
             replay=self._replay,
@@ -133,7 +131,14 @@ class FileDecisionLog:
             group_commit=group_commit,
             file_ops=file_ops,
         )
-        self._maybe_rollover()
+        self._compaction = Compaction(
+            self._journal,
+            self._gate,
+            lambda: [encode(r) for r in self._state.live_records()],
+            f"decision log {self.directory}",
+            log,
+        )
+        self._compaction.maybe()
 
     def _replay(self, payload: bytes) -> None:
         self._state.apply(decode(payload))
@@ -175,30 +180,7 @@ class FileDecisionLog:
             raise
         finally:
             self._gate.exit_shared()
-        self._maybe_rollover()
-
-    def _maybe_rollover(self) -> None:
-        """Compact when the journal asks, carrying every live record into the new segment.
-
-        Runs after an append, outside the gate. A failure is logged, not raised: the caller's own
-        record is already durable, and reporting a failed commit for it would be a lie.
-        """
-        if not self._journal.needs_rollover or not self._rolling.acquire(blocking=False):
-            return
-        try:
-            self._rollover()
-        except Exception:
-            log.exception("decision log %s: rollover failed, will retry", self.directory)
-        finally:
-            self._rolling.release()
-
-    def _rollover(self) -> None:
-        self._gate.enter_exclusive()
-        try:
-            if self._journal.needs_rollover:
-                self._journal.rollover([encode(r) for r in self._state.live_records()])
-        finally:
-            self._gate.exit_exclusive()
+        self._compaction.maybe()
 
     def stats(self) -> LogStats:
         j = self._journal.stats()

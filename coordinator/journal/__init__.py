@@ -5,6 +5,7 @@ Written once, used by the decision log, the message log and the cursor store. Se
 
 from __future__ import annotations
 
+from ._compaction import Compaction
 from ._fileops import FileOps, OsFileOps
 from ._framing import MAX_RECORD_BYTES, SegmentHeader
 from ._gate import Gate
@@ -14,6 +15,7 @@ from ._segment import Damage, SegmentReader, list_segments, read_current
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "MAX_RECORD_BYTES",
+    "Compaction",
     "Damage",
     "FileOps",
     "Gate",

@@ -40,7 +40,7 @@ from coordinator.errors import (
     ProgrammingError,
     TransactionRolledBack,
 )
-from coordinator.journal import DEFAULT_SEGMENT_BYTES, FileOps, Gate, Journal
+from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
 from resource_managers.message_log import VOLATILE_SUFFIX, Message, validate_destination
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
 
@@ -128,7 +128,6 @@ class Cursor:
         self._clock = clock_ms
         self._state = CursorState()
         self._gate = Gate()
-        self._rolling = threading.Lock()
         #: one accept at a time per stream, so its filter decisions hold; streams share fsyncs
         self._stream_locks: dict[str, threading.RLock] = {}
         self._lock = threading.Lock()
@@ -136,11 +135,14 @@ class Cursor:
         self._journal = Journal(
             self.directory, replay=self._replay, segment_bytes=segment_bytes, file_ops=file_ops
         )
+        self._compaction = Compaction(
+            self._journal, self._gate, self._carry, f"cursor {self.directory}", log
+        )
         try:
             self._filter = StreamFilter(self._state.filter)
             for gid in list(self._state.handed):  # their process is gone: presumed abort
                 self.rollback(gid, max_deliveries)
-            self._maybe_rollover()
+            self._compaction.maybe()
         except BaseException:
             self._journal.close()
             raise
@@ -179,7 +181,7 @@ class Cursor:
             with self._lock:
                 ack = self._filter.accepted(decision)
                 self.changed.notify_all()
-        self._maybe_rollover()
+        self._compaction.maybe()
         return ack
 
     def deliver(self, frame: Frame, message: Message) -> Ack:
@@ -235,7 +237,7 @@ class Cursor:
             finally:
                 self._gate.exit_shared()
             if mid is not None:
-                self._maybe_rollover()
+                self._compaction.maybe()
                 return delivery
             with self.changed:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -295,7 +297,7 @@ class Cursor:
             ids = self._state.branch_ids(gid)
         if ids:
             self._append({"k": "C", "g": gid, "i": ids}, force=True)
-            self._maybe_rollover()
+            self._compaction.maybe()
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
         """Make the branch's messages available again, or move those delivered ``max_deliveries``
@@ -314,7 +316,7 @@ class Cursor:
         self._append({"k": "R", "g": gid, "t": self._clock(), "i": back, "x": moves}, False)
         with self._lock:
             self.changed.notify_all()
-        self._maybe_rollover()
+        self._compaction.maybe()
         return [mid for mid, _ in moves]
 
     def forget(self, gid: str) -> None:
@@ -367,24 +369,13 @@ class Cursor:
                 f"cursor {self.directory}: {exc.message}", durable=exc.durable
             ) from exc
 
-    def _maybe_rollover(self) -> None:
-        if not self._journal.needs_rollover or not self._rolling.acquire(blocking=False):
-            return
-        try:
-            self._gate.enter_exclusive()
-            try:
-                if self._journal.needs_rollover:
-                    with self._lock:
-                        carry = self._state.live_records(self._clock(), self._tombstone_ms)
-                        self._state.committed.clear()
-                        self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
-                    self._journal.rollover(encode(r) for r in carry)
-            finally:
-                self._gate.exit_exclusive()
-        except Exception:
-            log.exception("cursor %s: rollover failed, will retry", self.directory)
-        finally:
-            self._rolling.release()
+    def _carry(self) -> list[bytes]:
+        """Every live record, for `Compaction`; tombstones past their time are left behind."""
+        with self._lock:
+            carry = self._state.live_records(self._clock(), self._tombstone_ms)
+            self._state.committed.clear()
+            self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
+        return [encode(r) for r in carry]
 
     # -- housekeeping --------------------------------------------------------------------------
 

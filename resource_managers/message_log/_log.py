@@ -34,7 +34,7 @@ from coordinator.errors import (
     TransactionRolledBack,
     TransientError,
 )
-from coordinator.journal import DEFAULT_SEGMENT_BYTES, FileOps, Gate, Journal
+from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
 
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
 from ._state import LogState
@@ -103,7 +103,6 @@ class MessageLog:
         self._clock = clock_ms
         self._state = LogState()
         self._gate = Gate()
-        self._rolling = threading.Lock()
         self._lock = threading.Lock()  # numbering, in-flight numbers, counts
         self.changed = threading.Condition(self._lock)  # notified when messages become visible
         self._inflight: dict[str, set[int]] = {}
@@ -112,6 +111,9 @@ class MessageLog:
         self.version = 0  # bumped whenever messages become visible
         self._journal = Journal(
             self.directory, replay=self._replay, segment_bytes=segment_bytes, file_ops=file_ops
+        )
+        self._compaction = Compaction(
+            self._journal, self._gate, self._carry, f"message log {self.directory}", log
         )
         try:
             self._open()
@@ -127,7 +129,7 @@ class MessageLog:
         self._append([{"k": "O", "n": incarnation}], force=True)
         for messages in self._state.prepared.values():
             self._hold(messages, +1)
-        self._maybe_rollover()
+        self._compaction.maybe()
 
     # -- the resource's verbs ------------------------------------------------------------------
 
@@ -348,7 +350,7 @@ class MessageLog:
                     self._state.apply(record)
             finally:
                 self._gate.exit_shared()
-        self._maybe_rollover()
+        self._compaction.maybe()
 
     def _hold(self, messages: list[Message], delta: int) -> None:
         with self._lock:
@@ -358,24 +360,13 @@ class MessageLog:
         for m in messages:
             self._held[m.destination] = self._held.get(m.destination, 0) + delta
 
-    def _maybe_rollover(self) -> None:
-        if not self._journal.needs_rollover or not self._rolling.acquire(blocking=False):
-            return
-        try:
-            self._gate.enter_exclusive()
-            try:
-                if self._journal.needs_rollover:
-                    with self._lock:
-                        carry = self._state.live_records(self._clock(), self._tombstone_ms)
-                        self._state.committed.clear()
-                        self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
-                    self._journal.rollover(encode(r) for r in carry)
-            finally:
-                self._gate.exit_exclusive()
-        except Exception:
-            log.exception("message log %s: rollover failed, will retry", self.directory)
-        finally:
-            self._rolling.release()
+    def _carry(self) -> list[bytes]:
+        """Every live record, for `Compaction`; tombstones past their time are left behind."""
+        with self._lock:
+            carry = self._state.live_records(self._clock(), self._tombstone_ms)
+            self._state.committed.clear()
+            self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
+        return [encode(r) for r in carry]
 
     # -- housekeeping --------------------------------------------------------------------------
 
