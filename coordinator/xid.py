@@ -20,6 +20,7 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import InvalidXidError
@@ -148,3 +149,20 @@ class Xid:
 
     def __str__(self) -> str:
         return self.to_gid()
+
+
+def branches_of(gids: Iterable[str], bqual: str) -> list[Xid]:
+    """The xids among ``gids`` that are twopc's (our format id) and branch ``bqual``, in order.
+
+    Every resource's ``recover`` lists what its store holds and must keep only its own branches:
+    a foreign or hostile gid is skipped, never parsed into something we would then finish.
+    """
+    found: list[Xid] = []
+    for gid in gids:
+        try:
+            xid = Xid.from_gid(gid)
+        except InvalidXidError:
+            continue
+        if xid.format_id == FORMAT_ID and xid.bqual == bqual:
+            found.append(xid)
+    return found

@@ -34,7 +34,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.xid import validate_resource_name
+from coordinator.xid import branches_of, validate_resource_name
 from resource_managers.message_log import validate_destination
 
 from ._cursor import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Cursor, Delivery
@@ -140,15 +140,7 @@ class CursorResource:
         return None
 
     def recover(self) -> list[Xid]:
-        found = []
-        for gid in self.cursor.prepared_gids():
-            try:
-                xid = Xid.from_gid(gid)
-            except InvalidXidError:
-                continue
-            if xid.bqual == self._name:
-                found.append(xid)
-        return found
+        return branches_of(self.cursor.prepared_gids(), self._name)
 
     def forget(self, xid: Xid) -> None:
         self.cursor.forget(self._check(xid).to_gid())

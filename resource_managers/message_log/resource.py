@@ -34,7 +34,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.xid import validate_resource_name
+from coordinator.xid import branches_of, validate_resource_name
 
 from ._log import BranchRolledBack, MessageLog
 from ._records import InvalidMessageError, Message, new_message
@@ -150,15 +150,7 @@ class MessageLogResource:
         return None
 
     def recover(self) -> list[Xid]:
-        found = []
-        for gid in self.log.prepared_gids():
-            try:
-                xid = Xid.from_gid(gid)
-            except InvalidXidError:
-                continue
-            if xid.bqual == self._name:
-                found.append(xid)
-        return found
+        return branches_of(self.log.prepared_gids(), self._name)
 
     def forget(self, xid: Xid) -> None:
         self.log.forget(self._check(xid).to_gid())

@@ -46,9 +46,7 @@ from sqlalchemy.orm import ORMExecuteState, Session
 from sqlalchemy.sql.elements import TextClause
 
 from coordinator import (
-    FORMAT_ID,
     ConfigurationError,
-    InvalidXidError,
     Outcome,
     OutcomeUnknownError,
     ProgrammingError,
@@ -58,6 +56,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
+from coordinator.xid import branches_of
 
 from . import _errors
 
@@ -370,14 +369,7 @@ class PostgresResource:
             "SELECT gid FROM pg_prepared_xacts "
             "WHERE database = current_database() AND owner = current_user"
         )
-        found: list[Xid] = []
-        for (gid,) in rows:
-            try:
-                xid = Xid.from_gid(str(gid))
-            except InvalidXidError:
-                continue  # someone else's prepared transaction: not ours to touch
-            if xid.format_id == FORMAT_ID and xid.bqual == self._name:
-                found.append(xid)
+        found = branches_of((str(gid) for (gid,) in rows), self._name)
         self._purge_markers()
         return found
 

@@ -69,7 +69,6 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from coordinator import (
-    FORMAT_ID,
     ConfigurationError,
     IllegalStateError,
     InvalidXidError,
@@ -81,7 +80,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.xid import validate_resource_name
+from coordinator.xid import branches_of, validate_resource_name
 
 from . import _durability, _errors
 from . import _writeset as ws
@@ -440,15 +439,8 @@ class RedisResource:
             members = self.client.execute_command(
                 "ZRANGE", self._prepared, 0, -1, **{NEVER_DECODE: []}
             )
-        found: list[Xid] = []
-        for member in members:
-            try:
-                xid = Xid.from_gid(member.decode("ascii"))
-            except (UnicodeDecodeError, InvalidXidError):
-                continue  # not ours to touch
-            if xid.format_id == FORMAT_ID and xid.bqual == self._name:
-                found.append(xid)
-        return found
+        # a non-ASCII member decodes to U+FFFD, which no gid holds: skipped like any stranger
+        return branches_of((m.decode("ascii", "replace") for m in members), self._name)
 
     def forget(self, xid: Xid) -> None:
         """Drop the marker or tombstone of a completed branch (a prepared one is kept)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator import FORMAT_ID, InvalidXidError, Xid
-from coordinator.xid import GtridFactory, custom_gtrid
+from coordinator.xid import GtridFactory, branches_of, custom_gtrid
 
 
 def test_gid_round_trip_is_the_psycopg2_jdbc_form() -> None:
@@ -49,3 +49,11 @@ def test_custom_gtrid_keeps_the_node_prefix() -> None:
         custom_gtrid("spark-1", "x" * 64)
     with pytest.raises(InvalidXidError):
         custom_gtrid("bad:node", "x")
+
+
+def test_branches_of_keeps_only_our_format_and_branch() -> None:
+    ours = Xid.branch_of("node-1:x-1", "pg")
+    other_branch = Xid.branch_of("node-1:x-2", "redis")
+    other_format = Xid(7, "node-1:x-3", "pg")
+    gids = [ours.to_gid(), other_branch.to_gid(), other_format.to_gid(), "not-a-gid", "1_'_--"]
+    assert branches_of(gids, "pg") == [ours]
