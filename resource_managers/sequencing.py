@@ -324,6 +324,29 @@ class StreamSender:
         self.next_seq = seq + 1
         return seq
 
+    def adopt(self, seq: int, message_id: str, expires_at: float | None = None) -> None:
+        """Take a message numbered elsewhere (by the message log, at commit) into the window.
+        Numbers must rise; a skipped number (a commit whose record failed) is a gap the
+        previous-number links cover."""
+        if _number("sequence number", seq, 1, ValueError) < self.next_seq:
+            raise ValueError(f"{self.stream}: adopt {seq} below next number {self.next_seq}")
+        self._window[seq] = _Pending(_name("message id", message_id, ValueError), expires_at)
+        self.next_seq = seq + 1
+
+    @property
+    def in_flight(self) -> int:
+        """Messages this object sent that are not acknowledged, for a window limit (those
+        restored by `from_dict` are not counted until sent again)."""
+        return sum(1 for p in self._window.values() if p.sends)
+
+    def resend_all(self) -> None:
+        """Make every sent message due now, as after a reconnect: what was on the old
+        connection may never have arrived."""
+        for pending in self._window.values():
+            if pending.sent:
+                pending.due_at = -math.inf
+                pending.sends = 0
+
     def frames(self) -> list[Frame]:
         """The window as it would go out now, with current previous numbers (for inspection)."""
         return [self._frame(seq, prev, p) for seq, prev, p in self._linked()]
@@ -353,25 +376,34 @@ class StreamSender:
                 relinked = False
         return gone
 
-    def due_for_resend(self, now: float, limit: int | None = None) -> list[Frame]:
+    def due_for_resend(
+        self, now: float, limit: int | None = None, max_in_flight: int | None = None
+    ) -> list[Frame]:
         """Frames to put on the wire now, oldest first: first sends and expired timers. Each one's
-        timer restarts. A message past its deadline is not sent (`expire` removes it)."""
+        timer restarts. A message past its deadline is not sent (`expire` removes it). At most
+        ``limit`` frames; a first send only while fewer than ``max_in_flight`` are unacknowledged
+        (resends always go: holding them back could wedge a full window)."""
         out: list[Frame] = []
+        room = math.inf if max_in_flight is None else max_in_flight - self.in_flight
         for seq, prev, pending in self._linked():
             if limit is not None and len(out) >= limit:
                 break
             late = pending.expires_at is not None and now >= pending.expires_at
             if pending.due_at <= now and not late:
+                if not pending.sends:
+                    if room <= 0:
+                        break
+                    room -= 1
                 out.append(self._frame(seq, prev, pending))
                 pending.sent, pending.sends = True, pending.sends + 1
                 pending.due_at = now + self.backoff.compute(pending.sends)
                 self.highest_sent = max(self.highest_sent, seq)
         return out
 
-    def tick(self, now: float, limit: int | None = None) -> Tick:
+    def tick(self, now: float, limit: int | None = None, max_in_flight: int | None = None) -> Tick:
         """`expire`, then `due_for_resend`: the usual step of a transfer loop."""
         expired = self.expire(now)
-        return Tick(tuple(expired), tuple(self.due_for_resend(now, limit)))
+        return Tick(tuple(expired), tuple(self.due_for_resend(now, limit, max_in_flight)))
 
     def next_wakeup(self) -> float | None:
         """When the next timer or deadline falls due (-inf: something is due now; None: idle)."""

@@ -267,15 +267,21 @@ class MessageLog:
         with self._lock:
             return self._state.stream(stream).epoch
 
-    def pending(self, stream: str) -> list[tuple[int, Message]]:
-        """Committed unacknowledged messages of ``stream``, in order, up to the first number
-        still being written."""
+    def pending(self, stream: str, after: int = 0) -> list[tuple[int, Message]]:
+        """Committed unacknowledged messages of ``stream`` numbered above ``after``, in order, up
+        to the first number still being written. Cost: the messages returned, not the backlog."""
         with self._lock:
             s = self._state.streams.get(stream)
             if s is None:
                 return []
-            barrier = min(self._inflight.get(stream, ()), default=None)
-            return [(n, m) for n, m in s.messages.items() if barrier is None or n < barrier]
+            barrier = min(self._inflight.get(stream, ()), default=s.next_seq)
+            newest_first = []
+            for n in reversed(s.messages):
+                if n <= after:
+                    break
+                if n < barrier:
+                    newest_first.append((n, s.messages[n]))
+            return newest_first[::-1]
 
     def sender_state(self, stream: str) -> dict[str, Any]:
         """The state `resource_managers.sequencing.StreamSender.from_dict` takes for this stream."""
@@ -303,6 +309,30 @@ class MessageLog:
         self._append([{"k": "A", "q": stream, "e": epoch, "u": upto}], force=False)
         return gone
 
+    def get(self, stream: str, numbers: Iterable[int]) -> dict[int, Message]:
+        """The visible messages of ``stream`` among ``numbers`` (acknowledged or dropped ones are
+        left out): what a transfer needs to put a frame on the wire."""
+        with self._lock:
+            s = self._state.streams.get(stream)
+            if s is None:
+                return {}
+            barrier = min(self._inflight.get(stream, ()), default=s.next_seq)
+            return {n: m for n in numbers if n < barrier and (m := s.messages.get(n)) is not None}
+
+    def drop(self, stream: str, epoch: int, numbers: list[int]) -> None:
+        """Remove messages the transfer expired (a lazy ``D`` record: one that comes back after
+        a crash has expired all the same); numbers it no longer holds are ignored."""
+        with self._lock:
+            s = self._state.streams.get(stream)
+            if not numbers or s is None or s.epoch != epoch:
+                return
+        record = {"k": "D", "q": stream, "e": epoch, "l": sorted(numbers)}
+        if stream.endswith(VOLATILE_SUFFIX):
+            with self._lock:
+                self._state.apply(record)
+        else:
+            self._append([record], force=False)
+
     def drop_expired(self, stream: str, now_ms: int | None = None) -> list[tuple[int, Message]]:
         """Remove the visible messages of ``stream`` whose ``expires_at`` has passed (a lazy
         ``D`` record: one that comes back after a crash has expired all the same) and return
@@ -313,15 +343,8 @@ class MessageLog:
             for n, m in self.pending(stream)
             if m.expires_at is not None and m.expires_at <= now
         ]
-        if not expired:
-            return []
-        epoch = self.epoch(stream)
-        record = {"k": "D", "q": stream, "e": epoch, "l": [n for n, _ in expired]}
-        if stream.endswith(VOLATILE_SUFFIX):
-            with self._lock:
-                self._state.apply(record)
-        else:
-            self._append([record], force=False)
+        if expired:
+            self.drop(stream, self.epoch(stream), [n for n, _ in expired])
         return expired
 
     def wait(self, seen: int, timeout: float | None = None) -> int:

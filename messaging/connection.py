@@ -1,0 +1,284 @@
+"""Authenticated framed connections over TCP, and the listener that accepts them.
+
+Both servers (`twopc serve log|cursor`) and both kinds of client (a log's transfer to a cursor, an
+application's remote resource) speak through these two classes, so every connection gets the same
+handling: optional TLS first, then the shared-secret handshake (`auth`), then frames of at most
+``max_frame`` bytes, checked header first (`frames`). Any bad frame closes *that* connection and
+nothing else; the listener goes on accepting.
+
+Threads, not asyncio: what sits behind a connection (the journal's fsync, a PostgreSQL commit in a
+consumer's handler) blocks, and the number of connections a log or cursor serves is small (its
+transfer peers and the applications' resource clients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
+from types import TracebackType
+
+from coordinator.errors import ConfigurationError, FrameError
+
+from .auth import HANDSHAKE_TIMEOUT, Peer, SharedSecret, client_handshake, server_handshake
+from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, encode
+
+log = logging.getLogger("twopc.connection")
+
+Address = tuple[str, int]
+
+
+def parse_address(text: str, default_host: str = "127.0.0.1") -> Address:
+    """``host:port``, ``:port`` or ``port``; IPv6 as ``[::1]:port``."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host.strip("[]") or default_host
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise ConfigurationError(f"bad address {text!r}: expected HOST:PORT")
+    return host, number
+
+
+class Connection:
+    """One authenticated connection. ``send`` may be called from any thread (frames never
+    interleave); ``recv`` from one reader thread only."""
+
+    def __init__(
+        self, sock: socket.socket, peer: Peer, *, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.max_frame = max_frame
+        self._reader = FrameReader(sock, max_frame=max_frame)
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._timeout: float | object | None = object()  # what the socket has now
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def send(self, frame: Frame) -> None:
+        self.send_many((frame,))
+
+    def send_many(self, frames: Iterable[Frame]) -> None:
+        """Encode first, then one ``sendall``: a batch costs one system call, and a frame too
+        large is refused (`ProgrammingError`) before any byte of the batch is sent."""
+        data = b"".join(encode(f, max_frame=self.max_frame) for f in frames)
+        if not data:
+            return
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    def recv(self, timeout: float | None = None) -> Frame | None:
+        """The next frame; None when the peer closed cleanly. ``timeout`` raises `TimeoutError`
+        with the partial frame kept (call again). A bad frame raises `FrameError`: close."""
+        if self._timeout != timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+        return self._reader.read()
+
+    def refuse(self, code: str, message: str) -> None:
+        """Best effort: tell the peer why we close (it may be gone already), then close."""
+        try:
+            self.sock.settimeout(1.0)
+            self._timeout = 1.0
+            self.send(ErrorFrame(code, message[:500]))
+        except (OSError, FrameError):
+            pass
+        self.close()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def connect(
+    address: Address,
+    secret: SharedSecret,
+    client_id: str,
+    role: str,
+    *,
+    tls: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    server_id: str | None = None,
+    timeout: float = HANDSHAKE_TIMEOUT,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> Connection:
+    """Connect, wrap in TLS if asked, authenticate both ways. Raises `OSError` (refused,
+    unreachable, reset) or `AuthError`; a half-made socket is closed either way."""
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=server_hostname or address[0])
+        peer = client_handshake(sock, secret, client_id, role, server_id=server_id, timeout=timeout)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return Connection(sock, peer, max_frame=max_frame)
+
+
+Handler = Callable[[Connection], None]
+
+
+class Listener:
+    """Accepts connections on ``address`` and serves each in its own thread: TLS, handshake
+    (only the roles in ``handlers`` are admitted), then ``handlers[role](connection)``, which
+    owns the connection until it returns. A handler's `FrameError` or `OSError` closes that
+    connection (counted in ``stats``); anything else is logged as a bug and closes it too."""
+
+    def __init__(
+        self,
+        address: Address,
+        secret: SharedSecret,
+        server_id: str,
+        handlers: Mapping[str, Handler],
+        *,
+        tls: ssl.SSLContext | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        max_connections: int = 256,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        self.secret = secret
+        self.server_id = server_id
+        self.handlers = dict(handlers)
+        self.tls = tls
+        self.max_frame = max_frame
+        self.max_connections = max_connections
+        self.handshake_timeout = handshake_timeout
+        self.stats: Counter[str] = Counter()
+        self._sock = socket.create_server(address, reuse_port=False)
+        self.address: Address = self._sock.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._live: dict[int, socket.socket] = {}  # by accept number: TLS replaces the socket
+        self._threads: set[threading.Thread] = set()
+        self._closing = threading.Event()
+        self._acceptor: threading.Thread | None = None
+
+    @property
+    def roles(self) -> Collection[str]:
+        return self.handlers.keys()
+
+    def start(self) -> Listener:
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"twopc-accept-{self.address[1]}", daemon=True
+        )
+        self._acceptor.start()
+        return self
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                sock, peer_address = self._sock.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                log.exception("accept failed on %s", self.address)
+                continue
+            with self._lock:
+                if len(self._live) >= self.max_connections:
+                    self.stats["refused_full"] += 1
+                    sock.close()
+                    continue
+                token = self.stats["accepted"] = self.stats["accepted"] + 1
+                self._live[token] = sock
+                thread = threading.Thread(
+                    target=self._serve,
+                    args=(token, sock, peer_address),
+                    name=f"twopc-conn-{peer_address[1]}",
+                    daemon=True,
+                )
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, token: int, sock: socket.socket, peer_address: object) -> None:
+        conn: Connection | None = None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.handshake_timeout)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_side=True)
+                with self._lock:
+                    self._live[token] = sock
+            peer = server_handshake(
+                sock, self.secret, self.server_id, roles=self.roles,
+                timeout=self.handshake_timeout,
+            )  # fmt: skip
+            sock.settimeout(None)
+            conn = Connection(sock, peer, max_frame=self.max_frame)
+            self.stats["authenticated"] += 1
+            self.handlers[peer.role](conn)
+        except FrameError as exc:
+            self.stats["bad_frames" if conn is not None else "refused_handshake"] += 1
+            log.warning("closing connection from %s: %s", peer_address, exc)
+            if conn is not None:
+                conn.refuse("bad-frame", str(exc))
+        except (OSError, ssl.SSLError) as exc:
+            self.stats["connection_errors"] += 1
+            log.info("connection from %s ended: %s", peer_address, exc)
+        except Exception:
+            self.stats["handler_errors"] += 1
+            log.exception("handler failed for %s", peer_address)
+            if conn is not None:
+                conn.refuse("internal-error", "the server failed; see its log")
+        finally:
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
+            with self._lock:
+                self._live.pop(token, None)
+                self._threads.discard(threading.current_thread())
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop accepting, shut every connection (their handlers see EOF or an error), and wait
+        for the handlers to return."""
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            live, threads = list(self._live.values()), list(self._threads)
+        for sock in live:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout)
+        for thread in threads:
+            thread.join(timeout)
+
+    def __enter__(self) -> Listener:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,335 @@
+"""`LogTransfer`: the message log's side of the transfer protocol (seed 000), one per cursor.
+
+At-least-once over TCP: every committed message is sent, its timer started, resent on expiry with
+back-off, and compacted from the log once the cursor acknowledges it. Exactly-once and in order on
+top, through the stream numbers (`resource_managers.sequencing`): the log numbers messages at
+commit, this loop adopts them into a `StreamSender` per stream, which puts the previous number on
+each frame and judges every acknowledgment.
+
+Two threads: the *pump* reads new commits, expires, sends what is due (at most ``max_in_flight``
+unacknowledged first sends per stream, so a backlog cannot flood the socket and then time out in
+its buffer) and reconnects; the *reader* takes acknowledgments. A lost connection makes every
+unacknowledged message due again on the next one, since what was on the old one may never have
+arrived. Nothing here is durable: the log holds the messages and their numbers, the cursor the
+filter, so a crash of either side at any point costs at most a resend that the filter drops.
+
+Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet) and
+``xfer.log.before_compact`` (an ack received, the log not yet compacted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from types import TracebackType
+
+from coordinator.backoff import Backoff, ExponentialBackoff
+from coordinator.crashpoints import crash_point
+from coordinator.errors import FrameError
+from resource_managers.message_log import MessageLog
+from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
+
+from ..connection import Connection
+from ..frames import Ack, ErrorFrame, Msg, Nack, Ping, Pong
+from .wire import to_wire
+
+log = logging.getLogger("twopc.transfer")
+
+#: the role a log authenticates with at a cursor's listener
+TRANSFER_ROLE = "transfer"
+
+
+class LogTransfer:
+    """Moves committed messages of ``mlog`` to one cursor, reached through ``connect`` (called
+    again after every failure). ``streams`` selects which streams go there (default: all).
+    ``resend``: the back-off of each message's timer. ``ping_interval``: a silent connection is
+    probed that often and given up after three intervals without a frame."""
+
+    def __init__(
+        self,
+        mlog: MessageLog,
+        connect: Callable[[], Connection],
+        *,
+        streams: Callable[[str], bool] | None = None,
+        resend: DoublingBackoff | None = None,
+        reconnect: Backoff | None = None,
+        max_in_flight: int = 1024,
+        batch: int = 256,
+        ping_interval: float = 5.0,
+        name: str = "transfer",
+    ) -> None:
+        self.mlog = mlog
+        self._connect = connect
+        self._wanted = streams or (lambda _stream: True)
+        self.resend = resend or DoublingBackoff(base=0.5, cap=30.0)
+        self.reconnect = reconnect or ExponentialBackoff(base=0.1, cap=5.0)
+        self.max_in_flight = max_in_flight
+        self.batch = batch
+        self.ping_interval = ping_interval
+        self.name = name
+        self.stats: Counter[str] = Counter()
+        self._senders: dict[str, StreamSender] = {}
+        self._lock = threading.Lock()  # the senders
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._conn: Connection | None = None
+        self._threads: list[threading.Thread] = []
+        self._seen_version = -1
+        self._fenced_logged: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> LogTransfer:
+        for target, what in ((self._pump, "pump"), (self._watch, "watch")):
+            thread = threading.Thread(target=target, name=f"twopc-{self.name}-{what}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closing.set()
+        self._wake.set()
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def __enter__(self) -> LogTransfer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- inspection ------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        conn = self._conn
+        return conn is not None and not conn.closed
+
+    def backlog(self) -> dict[str, int]:
+        """Unacknowledged messages per stream, as this transfer sees them."""
+        with self._lock:
+            return {s: len(sender.window) for s, sender in self._senders.items() if sender.window}
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the log holds no unacknowledged message for this cursor."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(self.mlog.pending(s) for s in self.mlog.streams() if self._wanted(s)):
+                return True
+            time.sleep(0.01)
+        return False
+
+    # -- the pump --------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Wake the pump whenever the log publishes messages."""
+        seen = -1
+        while not self._closing.is_set():
+            version = self.mlog.wait(seen, timeout=0.5)
+            if version != seen:
+                seen = version
+                self._wake.set()
+
+    def _pump(self) -> None:
+        failures = 0
+        while not self._closing.is_set():
+            self._wake.clear()
+            if self._conn is None or self._conn.closed:
+                if not self._open():
+                    failures += 1
+                    self._closing.wait(self.reconnect.compute(failures))
+                    continue
+                failures = 0
+            try:
+                more = self._step()
+            except (OSError, FrameError) as exc:
+                self.stats["send_errors"] += 1
+                log.info("%s: connection lost while sending: %s", self.name, exc)
+                self._drop()
+                continue
+            if not more:
+                self._wake.wait(self._sleep())
+
+    def _open(self) -> bool:
+        try:
+            conn = self._connect()
+        except (OSError, FrameError) as exc:
+            self.stats["connect_failures"] += 1
+            log.info("%s: cannot connect: %s", self.name, exc)
+            return False
+        self.stats["connections"] += 1
+        with self._lock:
+            for sender in self._senders.values():
+                sender.resend_all()
+        self._conn = conn
+        reader = threading.Thread(
+            target=self._read, args=(conn,), name=f"twopc-{self.name}-reader", daemon=True
+        )
+        reader.start()
+        self._last_sent = time.monotonic()
+        return True
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _step(self) -> bool:
+        """Adopt new commits, expire, send what is due; True if more is due at once."""
+        self._sync()
+        now = time.monotonic()
+        out: list[tuple[Frame, str]] = []
+        drops: list[tuple[str, int, list[int]]] = []
+        more = False
+        with self._lock:
+            for name, sender in self._senders.items():
+                tick = sender.tick(now, self.batch, self.max_in_flight)
+                if tick.expired:
+                    drops.append((name, sender.epoch, [e.seq for e in tick.expired]))
+                    self.stats["expired"] += len(tick.expired)
+                out += [(f, name) for f in tick.frames]
+                more = more or len(tick.frames) >= self.batch
+        for name, epoch, numbers in drops:
+            self.mlog.drop(name, epoch, numbers)
+        conn = self._conn
+        if conn is None:
+            return False
+        frames = self._wire(out)
+        if frames:
+            conn.send_many(frames)
+            self.stats["frames_sent"] += len(frames)
+            self._last_sent = now
+            crash_point("xfer.log.after_send")
+        elif now - self._last_sent >= self.ping_interval:
+            conn.send(Ping(int(now * 1000)))
+            self._last_sent = now
+        return more
+
+    def _wire(self, out: list[tuple[Frame, str]]) -> list[Msg]:
+        by_stream: dict[str, list[Frame]] = {}
+        for frame, name in out:
+            by_stream.setdefault(name, []).append(frame)
+        frames: list[Msg] = []
+        for name, group in by_stream.items():
+            messages = self.mlog.get(name, [f.seq for f in group])
+            for f in group:
+                message = messages.get(f.seq)
+                if message is not None:  # acknowledged or dropped meanwhile: nothing to send
+                    frames.append(to_wire(f, message))
+        return frames
+
+    def _sync(self) -> None:
+        """Adopt what the log committed since the last look; a stream whose epoch changed (its
+        volatile twin after a restart) starts over from the log's state."""
+        version = self.mlog.version
+        if version == self._seen_version:
+            return
+        self._seen_version = version
+        for name, epoch in self.mlog.streams().items():
+            if not self._wanted(name):
+                continue
+            with self._lock:
+                sender = self._senders.get(name)
+            if sender is None or sender.epoch != epoch:
+                state = self.mlog.sender_state(name)
+                fresh = StreamSender.from_dict(_to_monotonic(state), backoff=self.resend)
+                with self._lock:
+                    self._senders[name] = fresh
+                continue
+            adopted = self.mlog.pending(name, after=sender.next_seq - 1)
+            with self._lock:
+                for seq, message in adopted:
+                    if seq >= sender.next_seq:
+                        sender.adopt(seq, message.message_id, _deadline(message.expires_at))
+
+    def _sleep(self) -> float:
+        with self._lock:
+            wakeups = [w for s in self._senders.values() if (w := s.next_wakeup()) is not None]
+        now = time.monotonic()
+        until = min(wakeups, default=now + self.ping_interval)
+        return max(0.0, min(until - now, self.ping_interval))
+
+    # -- the reader ------------------------------------------------------------------------------
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while not conn.closed:
+                frame = conn.recv(timeout=self.ping_interval * 3)
+                if frame is None:
+                    log.info("%s: the cursor closed the connection", self.name)
+                    break
+                if isinstance(frame, Ack):
+                    self._on_ack(frame)
+                elif isinstance(frame, Ping):
+                    conn.send(Pong(frame.token))
+                elif isinstance(frame, Pong):
+                    pass
+                elif isinstance(frame, Nack):
+                    self.stats["nacks"] += 1
+                    log.error(
+                        "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in "
+                        "the log and is resent",
+                        self.name, frame.seq, frame.stream, frame.epoch, frame.reason,
+                        frame.detail,
+                    )  # fmt: skip
+                elif isinstance(frame, ErrorFrame):
+                    log.error("%s: the cursor closes: %s %s", self.name, frame.code, frame.message)
+                    break
+                else:
+                    raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
+        except TimeoutError:
+            self.stats["silent_peer"] += 1
+            log.warning("%s: no frame from the cursor in %.0f s", self.name, self.ping_interval * 3)
+        except (OSError, FrameError) as exc:
+            if not conn.closed:
+                self.stats["read_errors"] += 1
+                log.info("%s: connection lost: %s", self.name, exc)
+        finally:
+            conn.close()
+            self._wake.set()
+
+    def _on_ack(self, ack: Ack) -> None:
+        with self._lock:
+            sender = self._senders.get(ack.stream)
+            if sender is None:
+                self.stats["stray_acks"] += 1
+                return
+            result = sender.on_ack(ack.epoch, ack.seq)
+            fenced = sender.fenced
+        self.stats[f"ack_{result.verdict.value}"] += 1
+        if fenced and ack.stream not in self._fenced_logged:
+            self._fenced_logged.add(ack.stream)
+            log.error(
+                "%s: the cursor acknowledged stream %s in epoch %d, newer than ours (%d): "
+                "another log feeds the same stream; its messages and ours cannot both be "
+                "delivered in order", self.name, ack.stream, ack.epoch, sender.epoch,
+            )  # fmt: skip
+        if result.verdict is AckVerdict.ADVANCED:
+            crash_point("xfer.log.before_compact")
+            self.mlog.acknowledge(ack.stream, ack.epoch, ack.seq)
+            self.stats["acknowledged"] += len(result.acknowledged)
+            self._wake.set()  # room in the window
+
+
+def _deadline(expires_at_ms: int | None) -> float | None:
+    """A wall-clock expiry on the monotonic clock the timers use."""
+    if expires_at_ms is None:
+        return None
+    return expires_at_ms / 1000 - time.time() + time.monotonic()
+
+
+def _to_monotonic(state: dict[str, object]) -> dict[str, object]:
+    pending = state["pending"]
+    assert isinstance(pending, list)
+    return {**state, "pending": [[n, mid, _deadline(exp)] for n, mid, exp in pending]}
