@@ -24,6 +24,7 @@ and a lost ``C`` would then be presumed aborted and the message delivered twice.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -258,48 +259,65 @@ class Cursor:
     # -- the resource's verbs ------------------------------------------------------------------
 
     def take(self, gid: str, queue: str, timeout: float | None = 0.0) -> Delivery | None:
-        """Hand the first available message of ``queue`` to branch ``gid`` (a forced ``H``
-        record raises its count), waiting up to ``timeout`` seconds (None: forever). Expired
-        messages at the head of the queue are dropped on the way (a lazy ``X`` record: one that
-        comes back after a crash has expired all the same)."""
+        """Hand the first available message of ``queue`` to branch ``gid`` (see `take_many`)."""
+        got = self.take_many(gid, queue, 1, timeout)
+        return got[0] if got else None
+
+    def take_many(
+        self, gid: str, queue: str, max_messages: int, timeout: float | None = 0.0
+    ) -> list[Delivery]:
+        """Hand up to ``max_messages`` available messages of ``queue``, in order, to branch
+        ``gid``: one forced ``H`` record raises all their counts. Waits up to ``timeout`` seconds
+        (None: forever) for the first; takes what is there then, without waiting for more.
+        Expired messages at the head of the queue are dropped on the way (a lazy ``X`` record:
+        one that comes back after a crash has expired all the same)."""
+        if max_messages < 1:
+            raise ProgrammingError("max_messages must be >= 1")
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         while True:
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    if gid in self._state.tombstones:
-                        raise BranchRolledBack(f"{gid} was rolled back (tombstone)")
-                    if gid in self._state.prepared:
-                        raise IllegalStateError(f"{gid} is prepared: it can no longer receive")
-                    expired = self._state.expired_head(queue, self._clock())
-                    if expired:  # dropped before anyone can take them
-                        self._state.apply(dropped := {"k": "X", "i": expired})
-                    mid = self._state.first_available(queue)
-                    if mid is not None:
-                        record = {"k": "H", "g": gid, "i": [mid], "c": 1}
-                        self._state.apply(record)  # reserved: no other consumer gets it
-                        entry = self._state.entries[mid]
-                        delivery = Delivery(entry.message, entry.count, queue, entry.reason)
-                if expired:
+                    dropped, record, taken = self._reserve(gid, queue, max_messages)
+                if dropped is not None:
                     self._write(dropped, force=False)
-                if mid is not None:
+                if record is not None:
                     try:
                         self._write(record, force=True)
                     except BaseException:
                         with self._lock:
-                            self._unhand(gid, entry)
+                            for entry in reversed(taken):
+                                self._unhand(gid, entry)
                         raise
             finally:
                 self._gate.exit_shared()
-            if mid is not None:
+            if taken:
                 self._compaction.maybe()
-                return delivery
+                return [Delivery(e.message, e.count, queue, e.reason) for e in taken]
             with self.changed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    return None
+                    return []
                 if self._state.first_available(queue) is None:
                     self.changed.wait(remaining)
+
+    def _reserve(
+        self, gid: str, queue: str, max_messages: int
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[Entry]]:
+        """Under the lock: drop the expired head, reserve the next messages for ``gid`` (no
+        other consumer gets them); the records to write for both."""
+        if gid in self._state.tombstones:
+            raise BranchRolledBack(f"{gid} was rolled back (tombstone)")
+        if gid in self._state.prepared:
+            raise IllegalStateError(f"{gid} is prepared: it can no longer receive")
+        dropped = record = None
+        expired = self._state.expired_head(queue, self._clock())
+        if expired:
+            self._state.apply(dropped := {"k": "X", "i": expired})
+        ids = list(itertools.islice(self._state.available.get(queue, {}), max_messages))
+        if ids:
+            self._state.apply(record := {"k": "H", "g": gid, "i": ids, "c": 1})
+        return dropped, record, [self._state.entries[mid] for mid in ids]
 
     def _unhand(self, gid: str, entry: Entry) -> None:
         """Undo a reservation whose record failed (if it was written after all, the replay

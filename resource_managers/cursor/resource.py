@@ -52,15 +52,24 @@ class ConsumerBranch:
     def receive(self, destination: str, timeout: float | None = 0.0) -> Delivery | None:
         """The next message of ``destination`` (or of a dead-letter queue, ``<d>.DLQ``), or None
         after ``timeout`` seconds without one (None: wait for ever)."""
+        got = self.receive_many(destination, 1, timeout)
+        return got[0] if got else None
+
+    def receive_many(
+        self, destination: str, max_messages: int, timeout: float | None = 0.0
+    ) -> list[Delivery]:
+        """Up to ``max_messages`` messages of ``destination`` in order, in one forced record:
+        waits up to ``timeout`` for the first, then takes what is there. A batch consumer pays
+        one fsync for the lot instead of one per message."""
         if self.closed:
             raise IllegalStateError(f"{self._resource.name}: receive after the branch ended")
         validate_destination(destination)
         r = self._resource
-        delivery = r.cursor.take(self.xid.to_gid(), destination, timeout)
-        if delivery is not None:
+        got = r.cursor.take_many(self.xid.to_gid(), destination, max_messages, timeout)
+        if got:
             crash_point(f"cursor.{r.name}.after_receive")
-            self.deliveries.append(delivery)
-        return delivery
+            self.deliveries += got
+        return got
 
 
 class CursorResource:
