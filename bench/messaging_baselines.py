@@ -41,19 +41,23 @@ Why each broker configuration is its fairest exactly-once / at-least-once settin
   (per nats-server's 2.9-era ``server/filestore.go``, not measured here). From v2.10 the interval
   is configurable as ``jetstream { sync_interval }`` with a default of 2 minutes, and
   ``sync_interval: always`` fsyncs every write. So in this default single-server setup, a machine
-  crash (not a process crash) can lose acknowledged messages from the last minute. PostgreSQL and
-  RabbitMQ here fsync before they acknowledge, so JetStream's numbers are flattered by that.
-  Replication (R3) is NATS's intended answer, and this single-node bench cannot show it.
+  crash (not a process crash) can lose acknowledged messages from the last minute. PostgreSQL
+  fsyncs every COMMIT, and RabbitMQ fsyncs every message it confirms and has not already
+  delivered, so this flatters JetStream's numbers. Replication (R3) is NATS's intended answer,
+  and this single-node bench cannot show it.
 - **RabbitMQ, at-least-once** (RabbitMQ has no exactly-once mode and no publish de-duplication,
   so the consumer-side primary key is the whole of its "exactly once"): a durable queue (classic
   by default, or ``--rabbitmq-queue-type quorum``, unique per run and deleted after), persistent
   messages (``delivery_mode=2``) with a ``message_id``, published ``mandatory`` on a channel in
-  ``confirm_delivery()`` mode. RabbitMQ confirms a persistent message to a durable queue only once
-  it is written to disk (fsync, batched across publishers). pika's BlockingConnection waits for
-  each confirm before it returns from ``basic_publish``, so a batch costs ``per_tx`` round trips,
-  not one. That is a limit of the blocking client, which is the usual Python choice. The consumer
-  sets ``basic_qos(prefetch_count=per_tx)`` and sends one ``basic_ack(multiple=True)`` for the
-  batch after the COMMIT. AMQP 0-9-1 acks are never confirmed by the server, so RabbitMQ has no
+  ``confirm_delivery()`` mode. RabbitMQ confirms a persistent message to a durable queue once it
+  is written to disk (fsync, batched across publishers), or once every queue it went to has
+  delivered it and had it acked, whichever comes first. So when the consumer keeps up, a classic
+  queue may confirm a message it never wrote, which is safe because the consumer is already done
+  with it. pika's BlockingConnection waits for each confirm before it returns from
+  ``basic_publish``, so a batch costs ``per_tx`` round trips, not one. That is a limit of the
+  blocking client, which is the usual Python choice. The consumer sets
+  ``basic_qos(prefetch_count=per_tx)`` and sends one ``basic_ack(multiple=True)`` for the batch
+  after the COMMIT. AMQP 0-9-1 acks are never confirmed by the server, so RabbitMQ has no
   equivalent of the double ack.
 
 API (for ``bench/messaging.py``): `run_jetstream`, `run_rabbitmq` and `prepare_tables` return or
@@ -79,6 +83,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -125,6 +130,11 @@ class PipelineResult:
     p99_ms: float
     duplicates: int
     skipped: str | None = None
+    # diagnostics, not part of the comparison: when the producer finished (seconds from the
+    # start; far below ``seconds`` means a backlog built up, and the latencies are mostly queueing)
+    # and the mean number of messages per consumer transaction
+    produce_seconds: float = math.nan
+    mean_consume_batch: float = math.nan
 
 
 class BenchError(RuntimeError):
@@ -228,6 +238,8 @@ class _Run:
     latencies_ms: list[float] = field(default_factory=list)
     duplicates: int = 0
     publish_duplicates: int = 0  # PubAcks the server flagged as de-duplicated (should be 0)
+    produced: float = 0.0  # perf_counter after the last producer COMMIT
+    consume_batches: int = 0
 
     def batches(self) -> Iterator[tuple[list[str], list[bytes]]]:
         """(ids, bodies) per producer transaction; the last one may be short."""
@@ -247,6 +259,7 @@ class _Run:
         done = time.time_ns()
         self.latencies_ms.extend((done - s) / 1e6 for s in sent_ns)
         self.duplicates += duplicates
+        self.consume_batches += 1
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -295,6 +308,8 @@ def _result(system: str, run: _Run) -> PipelineResult:
         p50_ms=_percentile(ordered, 0.50),
         p99_ms=_percentile(ordered, 0.99),
         duplicates=run.duplicates + run.publish_duplicates,
+        produce_seconds=run.produced - run.started,
+        mean_consume_batch=len(run.latencies_ms) / max(1, run.consume_batches),
     )
 
 
@@ -318,11 +333,20 @@ class _Progress:
 # -- NATS JetStream --------------------------------------------------------------------------------
 
 
+async def _ignore_error(_exc: Exception) -> None:
+    """nats-py logs every connection error with a traceback; the caller reports it instead."""
+
+
 async def _nats_connect(url: str) -> Any:
     import nats
 
     return await nats.connect(
-        url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0, name="twopc-bench"
+        url,
+        connect_timeout=3,
+        allow_reconnect=False,
+        max_reconnect_attempts=0,
+        name="twopc-bench",
+        error_cb=_ignore_error,
     )
 
 
@@ -457,6 +481,7 @@ async def _js_produce(url: str, subject: str, pg_dsn: str, run: _Run) -> None:
             )
             run.publish_duplicates += sum(1 for ack in acks if ack.duplicate)
             conn.commit()
+        run.produced = time.perf_counter()
     finally:
         with contextlib.suppress(psycopg2.Error):
             conn.rollback()
@@ -593,6 +618,7 @@ def _rabbit_produce(url: str, queue: str, pg_dsn: str, run: _Run) -> None:
                     mandatory=True,
                 )
             conn.commit()
+        run.produced = time.perf_counter()
     finally:
         with contextlib.suppress(psycopg2.Error):
             conn.rollback()
@@ -697,7 +723,7 @@ def rabbitmq_context(url: str) -> str:
     finally:
         mq.close()
     safe = url.rsplit("@", maxsplit=1)[-1]
-    return f"RabbitMQ {version} at {safe}; confirms are sent after the message is on disk"
+    return f"RabbitMQ {version} at {safe}; persistent messages confirmed once on disk or acked"
 
 
 # -- the script ------------------------------------------------------------------------------------
@@ -711,7 +737,7 @@ RUNNERS: dict[str, Callable[..., PipelineResult]] = {
 def print_table(results: list[PipelineResult]) -> None:
     print(
         f"{'per_tx':>6}  {'system':<42} {'msgs':>6} {'seconds':>8} {'msg/s':>8} "
-        f"{'p50 ms':>8} {'p99 ms':>8} {'dups':>5}"
+        f"{'p50 ms':>8} {'p99 ms':>8} {'dups':>5} {'prod s':>7} {'batch':>6}"
     )
     for per_tx in sorted({r.per_tx for r in results}):
         for r in (r for r in results if r.per_tx == per_tx):
@@ -720,7 +746,8 @@ def print_table(results: list[PipelineResult]) -> None:
                 continue
             print(
                 f"{per_tx:>6}  {r.system:<42} {r.messages:>6} {r.seconds:>8.2f} "
-                f"{r.msgs_per_s:>8,.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.duplicates:>5}"
+                f"{r.msgs_per_s:>8,.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.duplicates:>5} "
+                f"{r.produce_seconds:>7.2f} {r.mean_consume_batch:>6.1f}"
             )
         rows = {r.system: r for r in results if r.per_tx == per_tx and not r.skipped}
         if JETSTREAM in rows and RABBITMQ in rows:
@@ -732,7 +759,9 @@ def print_table(results: list[PipelineResult]) -> None:
     print(
         "msg/s: first produce to last ack, one producer and one consumer thread; latency: consumer "
         "COMMIT minus send time;\ndups: redeliveries caught by consumed's primary key (plus "
-        "publishes JetStream de-duplicated); both tables verified equal after every row."
+        "publishes JetStream de-duplicated); both tables verified equal after every row.\n"
+        "prod s: when the producer finished (well below seconds: a backlog, so the latency is "
+        "mostly queueing); batch: mean messages per consumer transaction."
     )
 
 
@@ -762,6 +791,13 @@ def database(pg_dsn: str | None) -> Iterator[str]:
         server.remove()
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, ``kill``) into SystemExit, so the ``finally`` blocks still stop
+    the throwaway PostgreSQL cluster, a private nats-server and the broker's stream or queue.
+    Call it from the main thread."""
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(128 + signal.SIGTERM))
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--messages", type=int, default=2000, help="messages per row (2000)")
@@ -784,6 +820,7 @@ def parse() -> argparse.Namespace:
 
 
 def main() -> None:
+    exit_on_sigterm()
     args = parse()
     batch_sizes = [int(n) for n in args.per_tx.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]

@@ -1,15 +1,24 @@
-"""``twopc demo``: move money between PostgreSQL and Redis atomically, crash, recover, audit.
+"""``twopc demo``: move money between PostgreSQL and Redis atomically, with a message for every
+transfer; crash, recover, deliver the messages exactly once, audit.
 
 Accounts alice, bob and carol live in a PostgreSQL table; dave, erin and frank are Redis strings.
 A child process (``python -m messaging.demo child``) makes one transaction per transfer with a
-`TransactionManager`, a file decision log, a `PostgresResource` named ``postgres`` and a
-`RedisResource` named ``redis``: odd transfers move money from PostgreSQL to Redis, even ones
-back. Each side also records the transfer (a ``transfers`` row; an entry in the Redis stream
-``bank:ledger``). Branches prepare and commit in name order, ``postgres`` before ``redis``, so the
-default crash point ``tm.after_commit.1:7`` kills the child with transfer 7 committed in
-PostgreSQL and only prepared in Redis: its credit staged under the gid, its keys locked. The
-parent shows that state as Redis, PostgreSQL and the log hold it, runs recovery in a new manager
-as a restarted service would, and audits both stores.
+`TransactionManager`, a file decision log, a `MessageLogResource` named ``mlog`` on an embedded
+`MessageLog`, a `PostgresResource` named ``postgres`` and a `RedisResource` named ``redis``: odd
+transfers move money from PostgreSQL to Redis, even ones back. Each side also records the transfer
+(a ``transfers`` row; an entry in the Redis stream ``bank:ledger``), and the transaction sends a
+message about it to the destination ``transfers``. While the child runs, a `LogTransfer` moves
+committed messages to an embedded `Cursor` that the parent serves on 127.0.0.1 (a `Listener` with
+a fresh shared secret, handed to the child on stdin).
+
+Branches prepare and commit in name order, ``mlog``, ``postgres``, ``redis``, and crash points
+count them from 1, so the default crash point ``tm.after_commit.2:7`` kills the child with
+transfer 7 committed in the message log and PostgreSQL and only prepared in Redis: its credit
+staged under the gid, its keys locked. The parent shows that state as Redis, PostgreSQL, the
+message log and the decision log hold it, runs recovery in a new manager as a restarted service
+would, restarts the transfer from the reopened log, consumes every message in a transaction with
+a PostgreSQL insert (a ``notifications`` row, without a unique key, so a duplicate would show),
+and audits the stores and the messages.
 
 PostgreSQL, first match wins: ``TWOPC_DEMO_POSTGRES_URL`` (a role that may create databases; a
 fresh one is created and dropped again), a throwaway cluster from local binaries, a Docker
@@ -17,7 +26,8 @@ container through testcontainers. Redis: ``TWOPC_DEMO_REDIS_URL`` (keys under a 
 deleted again; the server must keep a prepare across a crash), else a throwaway ``redis-server``
 from local binaries with ``appendonly yes`` and ``appendfsync always``. SQLAlchemy, psycopg2,
 redis-py and the server helpers are imported only when the demo runs (hence the ``noqa:
-PLC0415``), so ``twopc`` loads without the extras.
+PLC0415``), so ``twopc`` loads without the extras; the message log, the cursor and the messaging
+modules are imported there too, so other ``twopc`` commands do not pay for them.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +54,10 @@ from coordinator import (
     FORMAT_ID,
     FileDecisionLog,
     RecoveryReport,
+    Transaction,
     TransactionManager,
     TransactionRolledBack,
+    Xid,
 )
 from coordinator.cli import summarize, table
 from coordinator.decision_log import inspect_log
@@ -53,14 +66,24 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import URL, Engine
     from sqlalchemy.orm import Session
 
+    from messaging.connection import Connection, Listener
+    from messaging.transfer import LogTransfer, TransferReceiver
+    from resource_managers.cursor import Cursor, Delivery
+    from resource_managers.message_log import MessageLog, ProducerBranch
     from resource_managers.redis import RedisBranch, RedisResource
 
 URL_ENV = "TWOPC_DEMO_POSTGRES_URL"
 REDIS_URL_ENV = "TWOPC_DEMO_REDIS_URL"
 NODE_ID = "demo-1"
-# Do not rename: phases run in ascending name order, and "postgres" < "redis" is what makes
-# tm.after_commit.1 leave PostgreSQL committed and Redis prepared.
-PG, REDIS = "postgres", "redis"
+CONSUMER_ID = "demo-consumer"
+# Do not rename: phases run in ascending name order, "mlog" < "postgres" < "redis", and crash
+# points count branches from 1, so tm.after_commit.2 (the second branch to commit) leaves the
+# message log and PostgreSQL committed and Redis prepared.
+MLOG, PG, REDIS = "mlog", "postgres", "redis"
+CURSOR = "cursor"
+DESTINATION = "transfers"  # where every transfer's message goes
+CRASH_AT = "tm.after_commit.2:7"
+LOG_ID, CURSOR_ID = "demo-log", "demo-cursor"  # the transfer connection's two ends
 ACCOUNTS = {PG: ("alice", "bob", "carol"), REDIS: ("dave", "erin", "frank")}
 OPENING = 1_000
 NEEDS = (
@@ -80,16 +103,18 @@ REDIS_NEEDS = (
 def register(sub: Any) -> None:
     """Entry point of the ``twopc.commands`` group."""
     p = sub.add_parser(
-        "demo", help="transfers between PostgreSQL and Redis, a crash, recovery, an audit"
+        "demo",
+        help="transfers between PostgreSQL and Redis with a message each, a crash, recovery, "
+        "exactly-once delivery, an audit",
     )
     p.add_argument(
         "--transfers", type=int, default=10, metavar="N", help="transfers to attempt (default 10)"
     )
     p.add_argument(
         "--crash-at",
-        default="tm.after_commit.1:7",
+        default=CRASH_AT,
         metavar="NAME[:NTH]",
-        help="crash point that kills the service (default tm.after_commit.1:7)",
+        help=f"crash point that kills the service (default {CRASH_AT})",
     )
     p.add_argument("--keep", action="store_true", help="keep the servers and the log; print them")
     p.set_defaults(func=run)
@@ -121,35 +146,70 @@ def _redis_move(r: RedisBranch, keys: str, gtrid: str, account: str, delta: int)
     r.xadd(f"{keys}ledger", {"gtrid": gtrid, "account": account, "delta": delta})
 
 
+def _send_notice(outbox: ProducerBranch, event: dict[str, Any]) -> None:
+    # staged until prepare; numbered at commit, and only then visible to the log's transfer
+    body = json.dumps({k: event[k] for k in ("gtrid", "n", "amount", "src", "dst")}).encode()
+    outbox.send(DESTINATION, body, headers={"content-type": "application/json"})
+
+
+def _dialer(address: tuple[str, int], secret: bytes) -> Callable[[], Connection]:
+    """How a log's transfer reaches the demo's cursor (called again after every failure)."""
+    from messaging.auth import SharedSecret  # noqa: PLC0415
+    from messaging.connection import connect  # noqa: PLC0415
+    from messaging.transfer import TRANSFER_ROLE  # noqa: PLC0415
+
+    key = SharedSecret(secret)
+    return lambda: connect(address, key, LOG_ID, TRANSFER_ROLE, server_id=CURSOR_ID, timeout=5.0)
+
+
+def _transfer(mlog: MessageLog, dial: Callable[[], Connection]) -> LogTransfer:
+    from messaging.transfer import LogTransfer  # noqa: PLC0415
+    from resource_managers.sequencing import DoublingBackoff  # noqa: PLC0415
+
+    # resend soon: a frame lost with a connection matters only until the next one, but a demo
+    # should not sit out the default back-off
+    return LogTransfer(mlog, dial, resend=DoublingBackoff(base=0.2, cap=2.0), name="demo-transfer")
+
+
 def run_child(spec: dict[str, Any]) -> int:
     """One transfer per transaction; an event line before each commit and after its answer."""
     import redis  # noqa: PLC0415
     from sqlalchemy import create_engine  # noqa: PLC0415
 
+    from resource_managers.message_log import MessageLog, MessageLogResource  # noqa: PLC0415
     from resource_managers.postgres import PostgresResource  # noqa: PLC0415
     from resource_managers.redis import RedisResource  # noqa: PLC0415
 
     pg = PostgresResource(create_engine(spec["pg_url"]), name=PG)
     client = redis.Redis.from_url(spec["redis_url"])
     cache = RedisResource(client, name=REDIS, namespace=spec["namespace"])
+    host, port = spec["cursor"]
+    dial = _dialer((host, int(port)), bytes.fromhex(spec["secret"]))
     rng = random.Random(7)
-    with TransactionManager(NODE_ID, FileDecisionLog(spec["log"]), [pg, cache]) as tm:
-        for n in range(1, spec["transfers"] + 1):
-            amount = rng.randint(1, 50)
-            pg_account, redis_account = rng.choice(ACCOUNTS[PG]), rng.choice(ACCOUNTS[REDIS])
-            sign = -1 if n % 2 else 1  # odd: PostgreSQL -> Redis; even: Redis -> PostgreSQL
-            src, dst = (pg_account, redis_account) if n % 2 else (redis_account, pg_account)
-            try:
-                with tm.transaction() as tx:
-                    _say(n=n, amount=amount, src=src, dst=dst, gtrid=tx.gtrid)
-                    _pg_move(tx.join(pg), tx.gtrid, pg_account, sign * amount)
-                    _redis_move(
-                        tx.join(cache), spec["keys"], tx.gtrid, redis_account, -sign * amount
-                    )
-            except TransactionRolledBack as exc:
-                _say(n=n, answer=f"rolled back ({exc.reason})")
-                continue
-            _say(n=n, answer="committed")
+    with MessageLog(spec["mlog"]) as mlog, _transfer(mlog, dial) as transfer:
+        # the transfer runs while we work: committed messages reach the cursor at once
+        outbox = MessageLogResource(mlog, MLOG)
+        resources: list[Any] = [outbox, pg, cache]
+        with TransactionManager(NODE_ID, FileDecisionLog(spec["log"]), resources) as tm:
+            for n in range(1, spec["transfers"] + 1):
+                amount = rng.randint(1, 50)
+                pg_account, redis_account = rng.choice(ACCOUNTS[PG]), rng.choice(ACCOUNTS[REDIS])
+                sign = -1 if n % 2 else 1  # odd: PostgreSQL -> Redis; even: Redis -> PostgreSQL
+                src, dst = (pg_account, redis_account) if n % 2 else (redis_account, pg_account)
+                try:
+                    with tm.transaction() as tx:
+                        event = {"n": n, "amount": amount, "src": src, "dst": dst}
+                        _say(**event, gtrid=tx.gtrid)
+                        _pg_move(tx.join(pg), tx.gtrid, pg_account, sign * amount)
+                        _redis_move(
+                            tx.join(cache), spec["keys"], tx.gtrid, redis_account, -sign * amount
+                        )
+                        _send_notice(tx.join(outbox), {**event, "gtrid": tx.gtrid})
+                except TransactionRolledBack as exc:
+                    _say(n=n, answer=f"rolled back ({exc.reason})")
+                    continue
+                _say(n=n, answer="committed")
+        transfer.wait_idle(10)  # not killed: hand everything over before closing the log
     return 0
 
 
@@ -315,6 +375,9 @@ def _create_bank(cluster: _Cluster, database: str) -> None:
         "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL CHECK (balance >= 0))",
         "CREATE TABLE transfers (gtrid text PRIMARY KEY, account text NOT NULL REFERENCES "
         "accounts, delta bigint NOT NULL)",
+        # what the consumer writes for each message; no unique key, so a duplicate would show
+        "CREATE TABLE notifications (id bigserial PRIMARY KEY, gtrid text NOT NULL, "
+        "message_id text NOT NULL)",
         sql.SQL("INSERT INTO accounts (id, balance) VALUES {}").format(rows),
     )
 
@@ -342,10 +405,28 @@ class _Run:
     database: str = ""
     engine: Engine | None = None
     client: Any = None  # redis.Redis, bytes in and out
+    secret: bytes = b""  # the cursor's shared secret: to the child through stdin only
+    cursor: Cursor | None = None
+    receiver: TransferReceiver | None = None
+    listener: Listener | None = None
+    mlog: MessageLog | None = None  # the dead service's log, reopened by the parent
+    transfer: LogTransfer | None = None  # the restarted transfer from that log
 
     @property
     def log(self) -> Path:
         return self.workdir / "txlog"
+
+    @property
+    def mlog_dir(self) -> Path:
+        return self.workdir / "mlog"
+
+    @property
+    def cursor_dir(self) -> Path:
+        return self.workdir / "cursor"
+
+    @property
+    def consumer_log(self) -> Path:
+        return self.workdir / "consumer-txlog"
 
     def query(self, sql: str, *params: Any) -> list[Any]:
         assert self.engine is not None
@@ -402,14 +483,44 @@ def _setup(cluster: _Cluster, store: _Redis, keep: bool) -> Iterator[_Run]:
         _create_bank(cluster, database)
         state.database = database
         state.engine = create_engine(cluster.url(database))
+        _start_cursor(state)
         yield state
     finally:
-        if state.engine is not None:
-            state.engine.dispose()
-        if keep:
-            _print_kept(state)
-        else:
-            _remove(state)
+        try:
+            _close_messaging(state)
+        finally:
+            if state.engine is not None:
+                state.engine.dispose()
+            if keep:
+                _print_kept(state)
+            else:
+                _remove(state)
+
+
+def _start_cursor(state: _Run) -> None:
+    """The embedded cursor, served on a free local port to transfers that know a fresh secret."""
+    import secrets  # noqa: PLC0415
+
+    from messaging.auth import SharedSecret  # noqa: PLC0415
+    from messaging.connection import Listener  # noqa: PLC0415
+    from messaging.transfer import TRANSFER_ROLE, TransferReceiver  # noqa: PLC0415
+    from resource_managers.cursor import Cursor  # noqa: PLC0415
+
+    state.secret = secrets.token_bytes(32)
+    state.cursor = Cursor(state.cursor_dir)
+    state.receiver = TransferReceiver(state.cursor)
+    handlers = {TRANSFER_ROLE: state.receiver}
+    key = SharedSecret(state.secret)
+    state.listener = Listener(("127.0.0.1", 0), key, CURSOR_ID, handlers).start()
+
+
+def _close_messaging(state: _Run) -> None:
+    """Transfer, listener, cursor, log: each closed even if an earlier one fails."""
+    with contextlib.ExitStack() as stack:
+        # an ExitStack runs its callbacks last pushed first
+        for part in (state.mlog, state.cursor, state.listener, state.transfer):
+            if part is not None:
+                stack.callback(part.close)
 
 
 def _remove(state: _Run) -> None:
@@ -438,6 +549,9 @@ def _print_kept(state: _Run) -> None:
     where = store.url if store.ours else store.origin  # only a throwaway URL is password-free
     print(f"  Redis: {where}, keys {store.keys}* and {store.namespace}:*")
     print(f"  decision log: {state.log}")
+    print(f"  message log: {state.mlog_dir}")
+    print(f"  cursor: {state.cursor_dir}")
+    print(f"  consumer's decision log: {state.consumer_log}")
     drop = cluster.kept or f'DROP DATABASE "{state.database}"'
     unkey = store.kept or f"delete the keys {store.keys}* and {store.namespace}:*"
     print(f"  remove with: {drop}; {unkey}; rm -rf {state.workdir}")
@@ -452,12 +566,19 @@ def _demo(state: _Run, args: argparse.Namespace) -> int:
         print(f"   database {state.database}; Redis keys {state.store.keys}*")
     print(
         f"\n1. a service moves money between PostgreSQL ({', '.join(ACCOUNTS[PG])}) and Redis "
-        f"({', '.join(ACCOUNTS[REDIS])}),\n   branches in name order (postgres, then redis), "
-        f"until SIGKILL at {args.crash_at}:"
+        f"({', '.join(ACCOUNTS[REDIS])}),\n   sending a message about each transfer to "
+        f'"{DESTINATION}" (its log\'s transfer feeds a cursor\n   on {_where(state)}), branches '
+        f"in name order (mlog, postgres, redis),\n   until SIGKILL at {args.crash_at}:"
     )
     before = _total(state)
-    acked = _run_crashing_child(state, args)
-    print("\n2. left in doubt, as pg_prepared_xacts, Redis and `twopc status` show it:")
+    acked, attempted = _run_crashing_child(state, args)
+    assert state.cursor is not None
+    early = len(state.cursor.available(DESTINATION))  # what the service's transfer delivered
+    state.mlog = _reopen_log(state)
+    print(
+        "\n2. left in doubt, as pg_prepared_xacts, Redis, the message log and `twopc status` "
+        "show it:"
+    )
     rows = _in_doubt(state)
     print(_indent(table(["where", "state", "what"], rows)))
     if rows:
@@ -470,11 +591,30 @@ def _demo(state: _Run, args: argparse.Namespace) -> int:
         f"   committed again: {len(report.committed)} decision(s); "
         f"presumed abort: {len(report.rolled_back)} branch(es); failures: {len(report.failures)}"
     )
-    return _audit(state, before, acked)
+    print(
+        "\n4. the log transfers the messages to the cursor; a consumer takes each one in a "
+        "transaction\n   with a PostgreSQL insert:"
+    )
+    _deliver(state, early)
+    return _audit(state, before, acked, attempted)
 
 
-def _run_crashing_child(state: _Run, args: argparse.Namespace) -> list[str]:
-    """Run the service; print what it did; return the gtrids it acknowledged."""
+def _where(state: _Run) -> str:
+    assert state.listener is not None
+    host, port = state.listener.address
+    return f"{host}:{port}"
+
+
+def _reopen_log(state: _Run) -> MessageLog:
+    """The dead service's message log, as its restart would open it (the lock died with it)."""
+    from resource_managers.message_log import MessageLog  # noqa: PLC0415
+
+    return MessageLog(state.mlog_dir)
+
+
+def _run_crashing_child(state: _Run, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Run the service; print what it did; return the gtrids it acknowledged and attempted."""
+    assert state.listener is not None
     spec = {
         "pg_url": state.cluster.url(state.database).render_as_string(False),
         "redis_url": state.store.url,
@@ -482,8 +622,12 @@ def _run_crashing_child(state: _Run, args: argparse.Namespace) -> list[str]:
         "keys": state.store.keys,
         "log": str(state.log),
         "transfers": args.transfers,
+        "mlog": str(state.mlog_dir),
+        "cursor": list(state.listener.address),
+        "secret": state.secret.hex(),
     }
-    # the URLs (which may hold a password) go through stdin, never argv or the environment
+    # the URLs (which may hold a password) and the cursor's secret go through stdin, never argv
+    # or the environment
     proc = subprocess.run(
         [sys.executable, "-m", "messaging.demo", "child"],
         input=json.dumps(spec),
@@ -505,15 +649,21 @@ def _run_crashing_child(state: _Run, args: argparse.Namespace) -> list[str]:
         print(f"   the service exited with {proc.returncode} before reaching the crash point")
     if proc.returncode not in (0, -signal.SIGKILL):
         print(proc.stderr, file=sys.stderr)
-    return [t["gtrid"] for t in transfers.values() if t.get("answer") == "committed"]
+    acked = [t["gtrid"] for t in transfers.values() if t.get("answer") == "committed"]
+    return acked, [t["gtrid"] for t in transfers.values()]
 
 
 def _in_doubt(state: _Run) -> list[tuple[str, str, str]]:
     """What a crash left: pending decisions, and each store's side of them, from the sources."""
+    assert state.mlog is not None
     pending, _, _ = summarize(inspect_log(state.log))
+    mlog_done = {g for g in pending if state.mlog.is_committed(Xid(FORMAT_ID, g, MLOG).to_gid())}
     pg_done = {g for g in pending if state.query("SELECT 1 FROM transfers WHERE gtrid = %s", g)}
     redis_done = {g for g in pending if g in _ledger(state)}
-    rows = [(PG, "committed", f"transfer {g}") for g in sorted(pg_done)]
+    done = {MLOG: mlog_done, PG: pg_done, REDIS: redis_done}
+    rows = [(MLOG, "committed", f"transfer {g}, its message numbered") for g in sorted(mlog_done)]
+    rows += [(MLOG, "prepared, message held", f"gid {gid}") for gid in state.mlog.prepared_gids()]
+    rows += [(PG, "committed", f"transfer {g}") for g in sorted(pg_done)]
     prepared = state.query(
         "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared"
     )
@@ -522,8 +672,8 @@ def _in_doubt(state: _Run) -> list[tuple[str, str, str]]:
     rows += _redis_prepared(state)
     for gtrid, record in pending.items():
         # END is written lazily, with the next forced write: a crash can lose it harmlessly
-        done = gtrid in pg_done and gtrid in redis_done
-        state_ = "COMMIT, END lost (lazy)" if done else "COMMIT, no END"
+        finished = all(gtrid in done.get(branch, ()) for branch in record["branches"])
+        state_ = "COMMIT, END lost (lazy)" if finished else "COMMIT, no END"
         rows.append(("decision log", state_, f"{gtrid} [{', '.join(record['branches'])}]"))
     return rows
 
@@ -561,10 +711,15 @@ def _staged_commands(ws: list[bytes]) -> list[str]:
 
 
 def _recover(state: _Run) -> RecoveryReport:
+    from resource_managers.message_log import MessageLogResource  # noqa: PLC0415
     from resource_managers.postgres import PostgresResource  # noqa: PLC0415
 
-    assert state.engine is not None
-    resources: list[Any] = [PostgresResource(state.engine, name=PG), state.cache()]
+    assert state.engine is not None and state.mlog is not None
+    resources: list[Any] = [
+        MessageLogResource(state.mlog, MLOG),
+        PostgresResource(state.engine, name=PG),
+        state.cache(),
+    ]
     with TransactionManager(
         NODE_ID,
         FileDecisionLog(state.log),
@@ -573,6 +728,55 @@ def _recover(state: _Run) -> RecoveryReport:
         recovery_interval=None,
     ) as tm:
         return tm.recover(force=True)
+
+
+def _deliver(state: _Run, early: int) -> None:
+    """Restart the log's transfer, wait until the cursor holds everything, consume it all:
+    one transaction per message, its deletion from the cursor and a notifications row together."""
+    from sqlalchemy import text  # noqa: PLC0415
+
+    from messaging.consumer import consume_once  # noqa: PLC0415
+    from resource_managers.cursor import CursorResource  # noqa: PLC0415
+    from resource_managers.postgres import PostgresResource  # noqa: PLC0415
+
+    assert state.mlog is not None and state.cursor is not None and state.listener is not None
+    assert state.receiver is not None and state.engine is not None
+    state.transfer = _transfer(state.mlog, _dialer(state.listener.address, state.secret)).start()
+    idle = state.transfer.wait_idle(30)
+    held = len(state.cursor.available(DESTINATION))
+    dropped = state.receiver.stats["messages"] - held  # copies the cursor's filter refused
+    print(
+        f"   transferred: {held} message(s) in the cursor, {early} while the service ran and "
+        f"{held - early} after the restart;\n   resent copies the cursor's stream filter dropped "
+        f"as duplicates: {dropped}"
+    )
+    if not idle:
+        print("   the transfer did not finish within 30 s: the audit shows what is missing")
+
+    pg = PostgresResource(state.engine, name=PG)
+    inbox = CursorResource(state.cursor, CURSOR)
+
+    def notify(tx: Transaction, delivery: Delivery) -> None:
+        event = json.loads(delivery.body)
+        tx.join(pg).execute(
+            text("INSERT INTO notifications (gtrid, message_id) VALUES (:gtrid, :message_id)"),
+            {"gtrid": event["gtrid"], "message_id": delivery.message_id},
+        )
+
+    consumed = 0
+    log = FileDecisionLog(state.consumer_log)
+    with TransactionManager(CONSUMER_ID, log, [inbox, pg], recovery_interval=None) as tm:
+        while got := consume_once(tm, inbox, DESTINATION, notify, batch=1, timeout=0.2):
+            consumed += got
+    c = state.cursor.stats()
+    print(
+        f"   consumed: {consumed} message(s), one transaction (cursor, postgres) and one "
+        "notifications row each"
+    )
+    print(
+        f"   the cursor now: available {c.available}, in flight {c.in_flight}, prepared "
+        f"{c.prepared}; {c.forced_records} forced records, {c.fsyncs} fsyncs"
+    )
 
 
 def _redis_balances(state: _Run) -> dict[str, int]:
@@ -623,12 +827,26 @@ def _residue(state: _Run) -> tuple[bool, str]:
     return not any(left), detail
 
 
-def _audit(state: _Run, before: int, acked: list[str]) -> int:
+def _in_flight(state: _Run) -> tuple[bool, str]:
+    """Messages anywhere but consumed: in the log (unacknowledged or prepared), in the cursor."""
+    assert state.mlog is not None and state.cursor is not None
+    log, cursor = state.mlog.stats(), state.cursor.stats()
+    left = [log.pending, log.prepared, cursor.available, cursor.in_flight, cursor.prepared]
+    detail = "log: pending {}, prepared {}; cursor: available {}, in flight {}, prepared {}"
+    return not any(left), detail.format(*left)
+
+
+def _audit(state: _Run, before: int, acked: list[str], attempted: list[str]) -> int:
     in_pg = {r[0] for r in state.query("SELECT gtrid FROM transfers")}
     ledger = _ledger(state)
     in_redis = set(ledger)
     drift, after = _drift(state), _total(state)
     wrong = f"; wrong: {', '.join(drift)}" if drift else ""
+    notified = Counter(r[0] for r in state.query("SELECT gtrid FROM notifications"))
+    twice = sorted(g for g, count in notified.items() if count > 1)
+    missed = sorted(in_pg - notified.keys())
+    rolled_back = set(attempted) - in_pg
+    strays = sorted(notified.keys() - in_pg)
     checks = [
         (
             "conservation: same total, balances match records",
@@ -651,12 +869,32 @@ def _audit(state: _Run, before: int, acked: list[str]) -> int:
             f"{len(acked)} acknowledged",
         ),
         ("no_in_doubt_residue: nothing prepared, locked, staged", *_residue(state)),
+        (
+            "messages exactly once: every committed transfer notified once",
+            notified == Counter(in_pg),
+            f"{notified.total()} notifications for {len(in_pg)} transfers"
+            + "".join(
+                f"; {w}: {', '.join(g)}" for w, g in (("twice", twice), ("none", missed)) if g
+            ),
+        ),
+        (
+            "no message of a rolled-back transfer",
+            not strays,
+            f"{len(rolled_back)} rolled back"
+            + (f"; notified anyway: {', '.join(strays)}" if strays else ", none notified"),
+        ),
+        ("nothing in flight: log and cursor empty", *_in_flight(state)),
     ]
-    print("\n4. audit:")
+    print("\n5. audit:")
     rows = [(name, "yes" if ok else "NO", detail) for name, ok, detail in checks]
     print(_indent(table(["invariant", "holds", "detail"], rows)))
     ok = all(ok for _, ok, _ in checks)
-    print("PASS: PostgreSQL and Redis agree and nothing is left in doubt" if ok else "FAIL")
+    print(
+        "PASS: PostgreSQL and Redis agree, every message was consumed exactly once, and nothing "
+        "is left in doubt"
+        if ok
+        else "FAIL"
+    )
     return 0 if ok else 1
 
 

@@ -12,7 +12,13 @@ from ._log import (
     MessageLog,
     MessageLogStats,
 )
-from ._records import VOLATILE_SUFFIX, InvalidMessageError, Message, validate_destination
+from ._records import (
+    VOLATILE_SUFFIX,
+    InvalidMessageError,
+    Message,
+    new_message,
+    validate_destination,
+)
 from .resource import MessageLogResource, ProducerBranch
 
 __all__ = [
@@ -26,5 +32,6 @@ __all__ = [
     "MessageLogResource",
     "MessageLogStats",
     "ProducerBranch",
+    "new_message",
     "validate_destination",
 ]

@@ -1,0 +1,118 @@
+"""``twopc serve log`` and ``twopc serve cursor``: the stores as servers.
+
+Each prints one line, ``listening on HOST:PORT``, once it accepts connections (scripts and tests
+wait for it), and shuts down cleanly on SIGTERM or SIGINT: listener closed, transfer stopped,
+journal flushed. A ``kill -9`` is survived as well: that is what the journals are for.
+
+The shared secret comes from ``--secret-file`` or the ``TWOPC_SECRET`` environment variable
+(never from the command line, where every user of the machine can read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from coordinator.errors import ConfigurationError
+from resource_managers.cursor import DEFAULT_MAX_DELIVERIES
+from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES
+
+from .auth import SharedSecret, TlsConfig
+from .connection import parse_address
+
+if TYPE_CHECKING:
+    from .server import CursorServer, LogServer
+
+
+def register(sub: Any) -> None:
+    """Entry point of the ``twopc.commands`` group."""
+    serve = sub.add_parser("serve", help="run a message log or a cursor as a server")
+    kinds = serve.add_subparsers(dest="serve_kind", required=True)
+
+    log_p = kinds.add_parser("log", help="a message log: producer service and transfer")
+    _common(log_p, default_listen="127.0.0.1:7401")
+    log_p.add_argument("--cursor", required=True, metavar="HOST:PORT", help="the cursor server")
+    log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
+    log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    log_p.add_argument("--max-destination-messages", type=int, default=None)
+    log_p.set_defaults(func=run_log)
+
+    cur_p = kinds.add_parser("cursor", help="a cursor: transfer intake and consumer service")
+    _common(cur_p, default_listen="127.0.0.1:7402")
+    cur_p.add_argument("--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES)
+    cur_p.set_defaults(func=run_cursor)
+
+
+def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
+    p.add_argument("--dir", required=True, help="the journal directory (created if missing)")
+    p.add_argument("--listen", default=default_listen, metavar="HOST:PORT", help="port 0: any")
+    p.add_argument("--id", default=None, help="this server's id in the handshake")
+    p.add_argument("--secret-file", help="file holding the shared secret (or TWOPC_SECRET)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve over TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", help="PEM CA: verify peers (and the cursor, for a log)")
+
+
+def _secret(args: argparse.Namespace) -> SharedSecret:
+    if args.secret_file:
+        return SharedSecret.from_file(args.secret_file)
+    env = os.environ.get("TWOPC_SECRET")
+    if env:
+        return SharedSecret(env.encode())
+    raise ConfigurationError("no shared secret: pass --secret-file or set TWOPC_SECRET")
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    if not args.tls_cert:
+        return None
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=False)
+
+
+def _serve_until_signalled(server: LogServer | CursorServer, address: object) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        host, port = address if isinstance(address, tuple) else ("?", "?")
+        print(f"listening on {host}:{port}", flush=True)
+        stop.wait()
+    print("stopped", flush=True)
+    return 0
+
+
+def run_log(args: argparse.Namespace) -> int:
+    from .server import LogServer  # noqa: PLC0415 - `twopc` loads every plugin at start
+
+    tls = _tls(args)
+    client_tls = TlsConfig(cafile=args.tls_ca).client_context() if args.tls_ca else None
+    server = LogServer(
+        args.dir,
+        _secret(args),
+        cursor=parse_address(args.cursor),
+        listen=parse_address(args.listen),
+        server_id=args.id or "twopc-log",
+        tls_server=tls.server_context() if tls else None,
+        tls_client=client_tls,
+        cursor_id=args.cursor_id,
+        max_message_bytes=args.max_message_bytes,
+        max_destination_messages=args.max_destination_messages,
+    )
+    return _serve_until_signalled(server, server.address)
+
+
+def run_cursor(args: argparse.Namespace) -> int:
+    from .server import CursorServer  # noqa: PLC0415
+
+    tls = _tls(args)
+    server = CursorServer(
+        args.dir,
+        _secret(args),
+        listen=parse_address(args.listen),
+        server_id=args.id or "twopc-cursor",
+        tls_server=tls.server_context() if tls else None,
+        max_deliveries=args.max_deliveries,
+    )
+    return _serve_until_signalled(server, server.address)

@@ -1,0 +1,304 @@
+"""The remote XA verbs' argument and result shapes, and the error codes, in one place.
+
+Client (`client`) and server (`service`) must agree on every key and every code, and a mismatch
+is not a cosmetic bug: an error that arrives as the wrong kind makes the coordinator do the wrong
+thing (retry what it should abandon, or call rolled back what may have committed). So both sides
+encode and decode through this module only, and decoding is strict: a value of the wrong shape is
+a `BadRequestError` (server side; the connection goes on) or a broken reply (client side).
+
+Errors travel as an `XaReply` whose ``status`` is the exception's ``code`` and whose result holds
+``kinds``, the codes of its `TransactionError` ancestors, most specific first. The client rebuilds
+the first code it knows (`error_from_reply`), so a server-side error this client has never heard of
+still arrives as a `TransientError` or a `TransactionRolledBack` if it is one; only an error with no
+known ancestor becomes a `RemoteError` (code ``remote-error``).
+
+Wire shapes (maps of `messaging.frames.Value`):
+
+- message: ``{id, destination, body, headers, persistent, expires_at}``
+- delivery: ``{message, count, queue, reason}``
+- vote: ``"commit"`` | ``"read_only"`` | ``"rollback"``; outcome: None or an `Outcome` value
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from coordinator.errors import (
+    ConfigurationError,
+    IllegalStateError,
+    InvalidXidError,
+    LogCorruptionError,
+    LogError,
+    LogWriteError,
+    NoTransactionError,
+    OutcomeUnknownError,
+    ProgrammingError,
+    TransactionError,
+    TransactionRolledBack,
+    TransactionTimedOut,
+    TransientError,
+)
+from coordinator.resource import Outcome, Vote
+from messaging.frames import Value, XaReply
+from resource_managers.cursor import BranchRolledBack as CursorBranchRolledBack
+from resource_managers.cursor import Delivery
+from resource_managers.message_log import (
+    BranchRolledBack as LogBranchRolledBack,
+)
+from resource_managers.message_log import (
+    DestinationFullError,
+    InvalidMessageError,
+    Message,
+    new_message,
+)
+
+PRODUCER_ROLE = "producer"
+CONSUMER_ROLE = "consumer"
+#: the longest a consumer's receive waits on the server; a client wanting longer asks again
+MAX_RECEIVE_WAIT = 30.0
+#: the most messages one receive hands out
+MAX_RECEIVE_BATCH = 10_000
+_MAX_MESSAGE_ID = 128
+
+
+class RemoteError(TransactionError):
+    """The server answered with an error this client does not know (``remote_code`` says which),
+    or broke the protocol. Not transient: nothing says a retry would help."""
+
+    code = "remote-error"
+    remote_code: str = ""
+
+
+class BadRequestError(ProgrammingError):
+    """The server refused a request's shape (bad argument types, unknown verb, wrong ``rm``)."""
+
+    code = "bad-request"
+
+
+class RemoteUnavailable(TransientError):
+    """The server could not be reached, or the connection broke where nothing can have changed
+    (or where what changed is undone by the server: a verb that is idempotent is safe to call
+    again). The coordinator leaves a commit or rollback that raises this to recovery."""
+
+    code = "remote-unavailable"
+
+
+class BranchLost(TransactionRolledBack):
+    """A consumer branch's connection broke (or the server restarted): the server rolled the
+    branch back, so its messages are available again. Safe to retry the whole transaction."""
+
+    code = "branch-lost"
+    reason = "branch-lost"
+
+
+#: every code a client rebuilds as its own class; anything else is a `RemoteError`
+ERRORS: dict[str, type[TransactionError]] = {
+    cls.code: cls
+    for cls in (
+        ProgrammingError,
+        IllegalStateError,
+        InvalidXidError,
+        NoTransactionError,
+        ConfigurationError,
+        TransientError,
+        TransactionRolledBack,
+        TransactionTimedOut,
+        OutcomeUnknownError,
+        LogError,
+        LogWriteError,
+        LogCorruptionError,
+        LogBranchRolledBack,
+        DestinationFullError,
+        InvalidMessageError,
+        CursorBranchRolledBack,
+        BadRequestError,
+        RemoteUnavailable,
+        BranchLost,
+        RemoteError,
+    )
+}
+
+
+def error_reply(request_id: int, exc: BaseException) -> XaReply:
+    """The reply that tells the client ``exc`` happened. Non-twopc exceptions are server bugs:
+    ``internal-error`` with the exception's type, so the client learns nothing it should act on."""
+    if not isinstance(exc, TransactionError):
+        return XaReply(request_id, "internal-error", {}, f"{type(exc).__name__}: {exc}"[:2000])
+    kinds = []
+    for cls in type(exc).__mro__:
+        code = getattr(cls, "code", None) if issubclass(cls, TransactionError) else None
+        if isinstance(code, str) and code not in kinds:
+            kinds.append(code)
+    result: dict[str, Value] = {"kinds": kinds}
+    if isinstance(exc, LogWriteError):
+        result["durable"] = exc.durable
+    reason = getattr(exc, "reason", None)
+    if isinstance(exc, TransactionRolledBack) and isinstance(reason, str):
+        result["reason"] = reason
+    return XaReply(request_id, exc.code, result, (exc.message or str(exc))[:2000])
+
+
+def error_from_reply(reply: XaReply) -> TransactionError:
+    """The exception an error reply stands for (see the module docstring)."""
+    kinds = reply.result.get("kinds")
+    codes = (
+        [reply.status, *(k for k in kinds if isinstance(k, str))]
+        if isinstance(kinds, list)
+        else [reply.status]
+    )
+    message = f"remote: {reply.message}" if reply.message else "remote error"
+    details: dict[str, Any] = {"remote_code": reply.status}
+    cls: type[TransactionError] = RemoteError
+    for code in codes:
+        if code in ERRORS:
+            cls = ERRORS[code]
+            break
+    if issubclass(cls, LogWriteError):
+        durable = reply.result.get("durable")
+        details["durable"] = durable if isinstance(durable, bool) else None
+    reason = reply.result.get("reason")
+    if issubclass(cls, TransactionRolledBack) and isinstance(reason, str):
+        details["reason"] = reason
+    return cls(message, **details)
+
+
+# -- argument checks (server side: a failure is a bad request, the connection goes on) ---------
+
+
+def _bad(message: str) -> BadRequestError:
+    return BadRequestError(message)
+
+
+def arg_str(args: Mapping[str, Value], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str):
+        raise _bad(f"argument {key!r} must be a string, not {type(value).__name__}")
+    return value
+
+
+def arg_bool(args: Mapping[str, Value], key: str, default: bool | None = None) -> bool:
+    value = args.get(key, default)
+    if not isinstance(value, bool):
+        raise _bad(f"argument {key!r} must be a bool, not {type(value).__name__}")
+    return value
+
+
+def arg_int(
+    args: Mapping[str, Value], key: str, low: int, high: int, default: int | None = None
+) -> int:
+    value = args.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(f"argument {key!r} must be an integer in {low}..{high}, not {value!r}")
+    return value
+
+
+def arg_timeout(args: Mapping[str, Value], key: str) -> float | None:
+    """A wait in seconds: a non-negative finite number, or None (no limit)."""
+    value = args.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(f"argument {key!r} must be a number of seconds or None, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise _bad(f"argument {key!r} must be finite and >= 0, not {value!r}")
+    return float(value)
+
+
+def arg_list(args: Mapping[str, Value], key: str) -> Sequence[Value]:
+    value = args.get(key)
+    if not isinstance(value, list):
+        raise _bad(f"argument {key!r} must be a list, not {type(value).__name__}")
+    return value
+
+
+# -- messages and deliveries -------------------------------------------------------------------
+
+
+def message_to_value(m: Message) -> dict[str, Value]:
+    return {
+        "id": m.message_id,
+        "destination": m.destination,
+        "body": m.body,
+        "headers": dict(m.headers),
+        "persistent": m.persistent,
+        "expires_at": m.expires_at,
+    }
+
+
+def message_from_value(v: Value) -> Message:
+    """A message, checked as `new_message` checks one (`InvalidMessageError` for bad content,
+    `BadRequestError` for a wrong shape). The size limit is the receiver's to check."""
+    if not isinstance(v, Mapping):
+        raise _bad(f"a message must be a map, not {type(v).__name__}")
+    if set(v) != {"id", "destination", "body", "headers", "persistent", "expires_at"}:
+        raise _bad(f"a message has the keys id, destination, body, headers, persistent, "
+                   f"expires_at; got {sorted(v)}")  # fmt: skip
+    mid = v["id"]
+    if not (isinstance(mid, str) and 0 < len(mid) <= _MAX_MESSAGE_ID and mid.isascii()
+            and mid.isprintable()):  # fmt: skip
+        raise _bad(f"message id must be 1-{_MAX_MESSAGE_ID} printable ASCII characters")
+    expires = v["expires_at"]
+    if expires is not None and (isinstance(expires, bool) or not isinstance(expires, int)):
+        raise _bad("message expires_at must be an integer (ms) or None")
+    persistent = v["persistent"]
+    if not isinstance(persistent, bool):
+        raise _bad("message persistent must be a bool")
+    checked = new_message(
+        v["destination"], body=v["body"], headers=v["headers"], persistent=persistent,
+        ttl=None, now_ms=0,
+    )  # fmt: skip
+    return dataclasses.replace(checked, message_id=mid, expires_at=expires)
+
+
+def delivery_to_value(d: Delivery) -> dict[str, Value]:
+    return {
+        "message": message_to_value(d.message),
+        "count": d.delivery_count,
+        "queue": d.queue,
+        "reason": d.reason,
+    }
+
+
+def delivery_from_value(v: Value) -> Delivery:
+    if not isinstance(v, Mapping) or set(v) != {"message", "count", "queue", "reason"}:
+        raise _bad("a delivery is a map of message, count, queue, reason")
+    count, queue, reason = v["count"], v["queue"], v["reason"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise _bad(f"delivery count must be a positive integer, not {count!r}")
+    if not isinstance(queue, str) or not (reason is None or isinstance(reason, str)):
+        raise _bad("delivery queue must be a string and reason a string or None")
+    return Delivery(message_from_value(v["message"]), count, queue, reason)
+
+
+# -- votes and outcomes ------------------------------------------------------------------------
+
+_VOTES = {Vote.COMMIT: "commit", Vote.READ_ONLY: "read_only", Vote.ROLLBACK: "rollback"}
+_VOTES_BACK = {text: vote for vote, text in _VOTES.items()}
+
+
+def vote_to_value(vote: Vote) -> str:
+    return _VOTES[vote]
+
+
+def vote_from_value(v: Value) -> Vote:
+    if not isinstance(v, str) or v not in _VOTES_BACK:
+        raise _bad(f"not a vote: {v!r}")
+    return _VOTES_BACK[v]
+
+
+def outcome_to_value(outcome: Outcome | None) -> str | None:
+    return None if outcome is None else outcome.value
+
+
+def outcome_from_value(v: Value) -> Outcome | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _bad(f"not an outcome: {v!r}")
+    try:
+        return Outcome(v)
+    except ValueError:
+        raise _bad(f"not an outcome: {v!r}") from None

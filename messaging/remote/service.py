@@ -1,0 +1,403 @@
+"""The server side of the remote resources: a message log's ``producer`` service and a cursor's
+``consumer`` service, each a `messaging.connection.Listener` handler.
+
+Why the state is per connection: a remote consumer's branch holds messages (handed out, counted)
+on the server while its application works, and the application may die without a word. The only
+thing the server learns then is that the connection ended; so every branch a connection started
+and did not end (prepare, one-phase commit, rollback) is rolled back when that connection ends,
+whatever the reason, and its messages become available to other consumers. A prepared branch is
+not the connection's any more: it waits for its coordinator (commit, or rollback by recovery),
+like a prepared branch of any resource.
+
+Why a producer needs no ``XA_START``: its branch is only staged messages, so the client keeps
+them and ships them with ``XA_PREPARE`` (or a one-phase ``XA_COMMIT``); the branch starts and
+ends inside that one request, and an abandoned transaction costs the server nothing.
+
+One request at a time per connection, answered with its ``request_id``. A request of the wrong
+shape gets an error reply (``bad-request``) and the connection goes on; only a bad frame
+(`FrameError`, raised out of the handler) makes the listener drop the connection. The server's
+own resources (`MessageLogResource`, `CursorResource`, one per branch name, made on demand)
+enforce the XA rules; this module only maps verbs to them.
+
+Verbs (``rm`` is the resource name and must equal the xid's bqual):
+
+======== =========================================== =========================================
+producer args                                        result
+======== =========================================== =========================================
+PREPARE  ``rm, messages: [message]``                 ``vote: "commit" | "read_only"``
+COMMIT   ``rm, one_phase, messages`` (one-phase)     ``outcome: None | "heuristic-..."``
+ROLLBACK ``rm``                                      ``outcome``
+RECOVER  ``rm`` (no xid)                             ``xids: [gid]``
+FORGET   ``rm``                                      ``{}``
+======== =========================================== =========================================
+
+======== =========================================== =========================================
+consumer args                                        result
+======== =========================================== =========================================
+START    ``rm, op: "receive", destination, max,      ``deliveries: [delivery]``
+         timeout: seconds | None``
+PREPARE  ``rm, received: n``                         ``vote``
+COMMIT   ``rm, one_phase, received`` (one-phase)     ``outcome``
+ROLLBACK ``rm``                                      ``outcome``
+RECOVER  ``rm`` (no xid)                             ``xids: [gid]``
+FORGET   ``rm``                                      ``{}``
+======== =========================================== =========================================
+
+``received`` is how many messages the client holds for the branch. If the server's branch holds
+a different number (it was rolled back when an earlier connection dropped, or the server
+restarted), the answer is ``branch-lost``: voting yes, or read-only, for a branch whose messages
+were handed to someone else would deliver them twice or drop them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+from coordinator.errors import (
+    FrameError,
+    IllegalStateError,
+    ProgrammingError,
+    TransactionError,
+)
+from coordinator.resource import Outcome, Vote
+from coordinator.xid import Xid
+from messaging.connection import Connection
+from messaging.frames import FrameType, Ping, Pong, Value, XaReply, XaRequest
+from resource_managers.cursor import (
+    DEFAULT_MAX_DELIVERIES,
+    ConsumerBranch,
+    Cursor,
+    CursorResource,
+)
+from resource_managers.message_log import (
+    InvalidMessageError,
+    Message,
+    MessageLog,
+    MessageLogResource,
+    ProducerBranch,
+)
+
+from .protocol import (
+    CONSUMER_ROLE,
+    MAX_RECEIVE_BATCH,
+    MAX_RECEIVE_WAIT,
+    PRODUCER_ROLE,
+    BadRequestError,
+    BranchLost,
+    arg_bool,
+    arg_int,
+    arg_list,
+    arg_str,
+    arg_timeout,
+    delivery_to_value,
+    error_reply,
+    message_from_value,
+    outcome_to_value,
+    vote_to_value,
+)
+
+log = logging.getLogger("twopc.remote")
+
+#: distinct branch names (``rm``) one service serves; each is a resource kept for good
+MAX_RESOURCE_NAMES = 256
+
+R = TypeVar("R", MessageLogResource, CursorResource)
+Result = dict[str, Value]
+#: what one connection started and has not ended: xid -> the server-side branch handle
+Open = dict[Xid, Any]
+
+
+class _Service(Generic[R]):
+    """The verb loop shared by both services; subclasses map verbs to their resource."""
+
+    role: str
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._resources: dict[str, R] = {}
+
+    def _make(self, name: str) -> R:
+        raise NotImplementedError
+
+    def resource(self, name: str) -> R:
+        """The resource serving branch name ``name`` (made on first use)."""
+        with self._lock:
+            found = self._resources.get(name)
+            if found is None:
+                if len(self._resources) >= MAX_RESOURCE_NAMES:  # a client cannot grow us
+                    raise BadRequestError(f"more than {MAX_RESOURCE_NAMES} branch names in use")
+                found = self._resources[name] = self._make(name)
+            return found
+
+    def __call__(self, conn: Connection) -> None:
+        opened: Open = {}
+        try:
+            while True:
+                frame = conn.recv()
+                if frame is None:
+                    return
+                if isinstance(frame, Ping):
+                    conn.send(Pong(frame.token))
+                    continue
+                if not isinstance(frame, XaRequest):
+                    raise FrameError(
+                        f"{type(frame).__name__} frame on a {self.role} connection",
+                        what="type",
+                    )
+                self._reply(conn, frame, self._answer(frame, opened), opened)
+        finally:
+            self._abandon(opened)
+
+    def _answer(self, request: XaRequest, opened: Open) -> XaReply:
+        try:
+            handler = self._verbs().get(request.verb)
+            if handler is None:
+                raise BadRequestError(f"{request.verb.name} is not a {self.role} verb")
+            rm = arg_str(request.args, "rm")
+            if request.verb == FrameType.XA_RECOVER:
+                if request.xid is not None:
+                    raise BadRequestError("XA_RECOVER takes no xid")
+            elif request.xid is None:
+                raise BadRequestError(f"{request.verb.name} needs an xid")
+            elif request.xid.bqual != rm:
+                raise BadRequestError(f"rm {rm!r} is not the xid's branch {request.xid.bqual!r}")
+            result = handler(self.resource(rm), request.xid, request.args, opened)
+        except Exception as exc:
+            if not isinstance(exc, TransactionError):
+                log.exception("%s request %s failed", self.role, request.verb.name)
+            return error_reply(request.request_id, exc)
+        return XaReply(request.request_id, "ok", result)
+
+    def _reply(self, conn: Connection, request: XaRequest, reply: XaReply, opened: Open) -> None:
+        try:
+            conn.send(reply)  # encodes before a byte is sent: a refusal leaves the stream intact
+        except ProgrammingError as exc:  # the reply cannot be encoded (too large for a frame)
+            conn.send(error_reply(request.request_id, self._unsendable(request, opened, exc)))
+
+    def _unsendable(
+        self, request: XaRequest, opened: Open, exc: ProgrammingError
+    ) -> TransactionError:
+        """A reply could not be encoded: undo what the request did that the client cannot know,
+        and return the error to answer with instead."""
+        return exc
+
+    def _abandon(self, opened: Open) -> None:
+        """The connection ended: roll back every branch it started and did not end."""
+        for xid in list(opened):
+            self._drop(xid, opened)
+
+    def _drop(self, xid: Xid, opened: Open) -> None:
+        opened.pop(xid, None)
+        try:
+            self.resource(xid.bqual).rollback(xid)
+        except Exception:
+            log.exception("rollback of abandoned branch %s failed", xid)
+
+    def _verbs(self) -> Mapping[FrameType, Callable[[R, Any, Mapping[str, Value], Open], Result]]:
+        raise NotImplementedError
+
+    # -- verbs both roles share --------------------------------------------------------------
+
+    def _rollback(self, r: R, xid: Xid, args: Mapping[str, Value], opened: Open) -> Result:
+        opened.pop(xid, None)
+        return {"outcome": outcome_to_value(r.rollback(xid))}
+
+    def _recover(self, r: R, xid: None, args: Mapping[str, Value], opened: Open) -> Result:
+        return {"xids": [x.to_gid() for x in r.recover()]}
+
+    def _forget(self, r: R, xid: Xid, args: Mapping[str, Value], opened: Open) -> Result:
+        r.forget(xid)
+        return {}
+
+
+class ProducerService(_Service[MessageLogResource]):
+    """A message log's ``producer`` role: remote applications' branches (`RemoteMessageLog`)."""
+
+    role = PRODUCER_ROLE
+
+    def __init__(self, mlog: MessageLog) -> None:
+        super().__init__()
+        self.mlog = mlog
+
+    def _make(self, name: str) -> MessageLogResource:
+        return MessageLogResource(self.mlog, name)
+
+    def _verbs(
+        self,
+    ) -> Mapping[FrameType, Callable[[MessageLogResource, Any, Mapping[str, Value], Open], Result]]:
+        return {
+            FrameType.XA_PREPARE: self._prepare,
+            FrameType.XA_COMMIT: self._commit,
+            FrameType.XA_ROLLBACK: self._rollback,
+            FrameType.XA_RECOVER: self._recover,
+            FrameType.XA_FORGET: self._forget,
+        }
+
+    def _staged(
+        self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> ProducerBranch:
+        """Start the branch and stage the request's messages, checked as `ProducerBranch.send`
+        checks them (the size limit, the destination, its room); roll back on any refusal."""
+        messages = [message_from_value(v) for v in arg_list(args, "messages")]
+        gid = xid.to_gid()
+        if self.mlog.is_prepared(gid) or self.mlog.is_committed(gid):
+            raise IllegalStateError(f"{r.name}: {gid} is already prepared or committed")
+        branch = r.start(xid)
+        opened[xid] = branch
+        try:
+            for message in messages:
+                self._stage(branch, message)
+        except BaseException:
+            self._drop(xid, opened)
+            raise
+        return branch
+
+    def _stage(self, branch: ProducerBranch, message: Message) -> None:
+        limit = self.mlog.max_message_bytes
+        if message.size > limit:
+            raise InvalidMessageError(
+                f"message of {message.size} bytes (body and headers) exceeds the limit of "
+                f"{limit}; nothing was staged"
+            )
+        staged = sum(1 for m in branch.messages if m.destination == message.destination)
+        self.mlog.check_room(message.destination, staged + 1)
+        branch.messages.append(message)
+
+    def _prepare(
+        self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        self._staged(r, xid, args, opened)
+        try:
+            vote = r.prepare(xid)
+        except BaseException:
+            self._drop(xid, opened)  # a no vote: the coordinator rolls back all the same
+            raise
+        opened.pop(xid, None)
+        return {"vote": vote_to_value(vote)}
+
+    def _commit(
+        self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        if not arg_bool(args, "one_phase", False):
+            if "messages" in args:
+                raise BadRequestError("messages travel with a one-phase commit only")
+            return {"outcome": outcome_to_value(r.commit(xid))}
+        self._staged(r, xid, args, opened)
+        try:
+            outcome: Outcome | None = r.commit(xid, one_phase=True)
+        except BaseException:
+            self._drop(xid, opened)
+            raise
+        opened.pop(xid, None)
+        return {"outcome": outcome_to_value(outcome)}
+
+
+class ConsumerService(_Service[CursorResource]):
+    """The ``consumer`` role of a cursor: remote applications' branches (`RemoteCursor`)."""
+
+    role = CONSUMER_ROLE
+
+    def __init__(self, cursor: Cursor, max_deliveries: int = DEFAULT_MAX_DELIVERIES) -> None:
+        super().__init__()
+        self.cursor = cursor
+        self.max_deliveries = max_deliveries
+
+    def _make(self, name: str) -> CursorResource:
+        return CursorResource(self.cursor, name, self.max_deliveries)
+
+    def _verbs(
+        self,
+    ) -> Mapping[FrameType, Callable[[CursorResource, Any, Mapping[str, Value], Open], Result]]:
+        return {
+            FrameType.XA_START: self._start,
+            FrameType.XA_PREPARE: self._prepare,
+            FrameType.XA_COMMIT: self._commit,
+            FrameType.XA_ROLLBACK: self._rollback,
+            FrameType.XA_RECOVER: self._recover,
+            FrameType.XA_FORGET: self._forget,
+        }
+
+    def _start(
+        self, r: CursorResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        op = arg_str(args, "op")
+        if op != "receive":
+            raise BadRequestError(f"unknown XA_START op {op!r} (expected 'receive')")
+        destination = arg_str(args, "destination")
+        most = arg_int(args, "max", 1, MAX_RECEIVE_BATCH, 1)
+        timeout = arg_timeout(args, "timeout")
+        wait = MAX_RECEIVE_WAIT if timeout is None else min(timeout, MAX_RECEIVE_WAIT)
+        branch: ConsumerBranch | None = opened.get(xid)
+        if branch is None:
+            branch = r.start(xid)
+            opened[xid] = branch
+        got = branch.receive_many(destination, most, wait)
+        return {"deliveries": [delivery_to_value(d) for d in got]}
+
+    def _unsendable(
+        self, request: XaRequest, opened: Open, exc: ProgrammingError
+    ) -> TransactionError:
+        # deliveries too large for one frame were handed to a branch the client cannot see
+        if request.verb != FrameType.XA_START or request.xid is None:
+            return exc
+        self._drop(request.xid, opened)
+        return BranchLost(
+            f"the messages received do not fit in one frame ({exc.message}); the branch was "
+            "rolled back: receive fewer at a time"
+        )
+
+    def _settle(self, xid: Xid, received: int, opened: Open) -> bool:
+        """Check the client's count against the branch this connection holds; True if there is
+        one. A mismatch rolls the branch back and raises `BranchLost`."""
+        branch: ConsumerBranch | None = opened.get(xid)
+        held = 0 if branch is None else len(branch.deliveries)
+        if branch is not None and branch.closed:  # ended behind this connection's back
+            self._drop(xid, opened)
+            raise BranchLost(f"{xid.bqual}: {xid.to_gid()} was rolled back")
+        if held != received:
+            if branch is not None:
+                self._drop(xid, opened)
+            raise BranchLost(
+                f"{xid.bqual}: the client received {received} messages in {xid.to_gid()}, this "
+                f"connection's branch holds {held}; it was rolled back (a dropped connection or "
+                "a server restart)"
+            )
+        return branch is not None
+
+    def _prepare(
+        self, r: CursorResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        received = arg_int(args, "received", 0, 2**62)
+        if not self._settle(xid, received, opened):
+            return {"vote": vote_to_value(Vote.READ_ONLY)}
+        try:
+            vote = r.prepare(xid)
+            if received and vote != Vote.COMMIT:
+                raise BranchLost(f"{xid.bqual}: {xid.to_gid()} holds no messages any more")
+        except BaseException:
+            self._drop(xid, opened)
+            raise
+        opened.pop(xid, None)
+        return {"vote": vote_to_value(vote)}
+
+    def _commit(
+        self, r: CursorResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        if not arg_bool(args, "one_phase", False):
+            return {"outcome": outcome_to_value(r.commit(xid))}
+        received = arg_int(args, "received", 0, 2**62)
+        if not self._settle(xid, received, opened):
+            return {"outcome": None}  # nothing received, nothing to commit
+        try:
+            outcome = r.commit(xid, one_phase=True)
+        except BaseException:
+            self._drop(xid, opened)
+            raise
+        opened.pop(xid, None)
+        return {"outcome": outcome_to_value(outcome)}
+
+
+__all__ = ["ConsumerService", "ProducerService"]

@@ -1,0 +1,162 @@
+"""The message log and the cursor as running services: embedded in an application, or on their own
+as ``twopc serve log`` / ``twopc serve cursor``.
+
+- `LogServer`: a `MessageLog` on disk, one `LogTransfer` thread to its cursor, and, when it
+  listens, the ``producer`` service through which remote applications enlist the log
+  (`messaging.remote.RemoteMessageLog`). Embedded, an application makes one without ``listen``
+  and joins ``server.resource`` in its transactions directly.
+- `CursorServer`: a `Cursor` on disk behind a listener that admits ``transfer`` connections (logs
+  delivering) and ``consumer`` connections (remote applications receiving,
+  `messaging.remote.RemoteCursor`). Embedded, ``server.resource`` is the local resource.
+
+Both authenticate every connection with the shared secret (and TLS if configured). Neither owns
+a transaction outcome: a remote branch is decided by its application's coordinator, and what a
+server finds handed out or prepared when it starts is what its journal says (see the stores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from collections.abc import Callable
+from types import TracebackType
+
+from resource_managers.cursor import DEFAULT_MAX_DELIVERIES, Cursor, CursorResource
+from resource_managers.message_log import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MessageLog,
+    MessageLogResource,
+)
+from resource_managers.sequencing import DoublingBackoff
+
+from .auth import SharedSecret
+from .connection import Address, Connection, Handler, Listener, connect
+from .remote import CONSUMER_ROLE, PRODUCER_ROLE, ConsumerService, ProducerService
+from .transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
+
+log = logging.getLogger("twopc.server")
+
+
+class LogServer:
+    """A message log, its transfer to ``cursor`` and (with ``listen``) its producer service."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        secret: SharedSecret,
+        *,
+        cursor: Address,
+        listen: Address | None = None,
+        server_id: str = "twopc-log",
+        tls_server: ssl.SSLContext | None = None,
+        tls_client: ssl.SSLContext | None = None,
+        cursor_hostname: str | None = None,
+        cursor_id: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_destination_messages: int | None = None,
+        resend: DoublingBackoff | None = None,
+        streams: Callable[[str], bool] | None = None,
+        resource_name: str = "mlog",
+    ) -> None:
+        self.mlog = MessageLog(
+            directory,
+            max_message_bytes=max_message_bytes,
+            max_destination_messages=max_destination_messages,
+        )
+        self.resource = MessageLogResource(self.mlog, resource_name)
+
+        def dial() -> Connection:
+            return connect(
+                cursor, secret, server_id, TRANSFER_ROLE, tls=tls_client,
+                server_hostname=cursor_hostname, server_id=cursor_id,
+            )  # fmt: skip
+
+        self.transfer = LogTransfer(self.mlog, dial, resend=resend, streams=streams)
+        self.listener: Listener | None = None
+        try:
+            if listen is not None:
+                handlers = {PRODUCER_ROLE: ProducerService(self.mlog)}
+                self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
+        except BaseException:
+            self.mlog.close()
+            raise
+
+    @property
+    def address(self) -> Address | None:
+        return None if self.listener is None else self.listener.address
+
+    def start(self) -> LogServer:
+        self.transfer.start()
+        if self.listener is not None:
+            self.listener.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving, stop the transfer, then close the journal (lazy records flushed)."""
+        if self.listener is not None:
+            self.listener.close()
+        self.transfer.close()
+        self.mlog.close()
+
+    def __enter__(self) -> LogServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class CursorServer:
+    """A cursor behind a listener for logs (``transfer``) and remote consumers (``consumer``)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        secret: SharedSecret,
+        *,
+        listen: Address,
+        server_id: str = "twopc-cursor",
+        tls_server: ssl.SSLContext | None = None,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        resource_name: str = "cursor",
+    ) -> None:
+        self.cursor = Cursor(directory, max_deliveries=max_deliveries)
+        self.resource = CursorResource(self.cursor, resource_name, max_deliveries)
+        self.receiver = TransferReceiver(self.cursor)
+        try:
+            handlers: dict[str, Handler] = {
+                TRANSFER_ROLE: self.receiver,
+                CONSUMER_ROLE: ConsumerService(self.cursor, max_deliveries),
+            }
+            self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
+        except BaseException:
+            self.cursor.close()
+            raise
+
+    @property
+    def address(self) -> Address:
+        return self.listener.address
+
+    def start(self) -> CursorServer:
+        self.listener.start()
+        return self
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cursor.close()
+
+    def __enter__(self) -> CursorServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

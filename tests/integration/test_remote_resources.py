@@ -1,0 +1,548 @@
+"""Remote resources against real stores behind a real listener: a message log and a cursor in
+"another process" (the same one, over TCP on 127.0.0.1), enlisted through `RemoteMessageLog` and
+`RemoteCursor` in transactions that also write PostgreSQL. Commit and rollback, one phase,
+batches, recovery of branches prepared by a client that went away, a connection killed in the
+middle of a consumer's branch (no duplicate, no loss), refused peers, and malformed requests."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from coordinator import (
+    CompletionPending,
+    FileDecisionLog,
+    IllegalStateError,
+    OutcomeUnknownError,
+    TransactionManager,
+    TransactionRolledBack,
+    TransientError,
+    Vote,
+    Xid,
+)
+from coordinator.decision_log import Decision
+from messaging.auth import AuthError, SharedSecret
+from messaging.connection import Connection, Listener, connect
+from messaging.frames import FrameType, Value, XaReply, XaRequest
+from messaging.remote import (
+    CONSUMER_ROLE,
+    PRODUCER_ROLE,
+    BranchLost,
+    ConsumerService,
+    ProducerService,
+    RemoteConsumerBranch,
+    RemoteCursor,
+    RemoteMessageLog,
+    RemoteProducerBranch,
+)
+from resource_managers.cursor import Cursor, Delivery
+from resource_managers.message_log import (
+    DestinationFullError,
+    InvalidMessageError,
+    Message,
+    MessageLog,
+)
+from resource_managers.postgres import PostgresResource
+from resource_managers.sequencing import Frame
+from tests.support.managers import make_manager
+from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
+
+SECRET = SharedSecret(b"remote-resources-test-secret-0123")
+
+
+@pytest.fixture
+def engine(make_pg_database: Callable[[], str]) -> Iterator[sa.Engine]:
+    engine = ledger_engine(make_pg_database())
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def mlog(tmp_path: Path) -> Iterator[MessageLog]:
+    log = MessageLog(tmp_path / "mlog")
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def cursor(tmp_path: Path) -> Iterator[Cursor]:
+    c = Cursor(tmp_path / "cursor")
+    yield c
+    c.close()
+
+
+def serve(role: str, handler: Callable[[Connection], None]) -> Listener:
+    return Listener(("127.0.0.1", 0), SECRET, f"test-{role}", {role: handler}).start()
+
+
+@pytest.fixture
+def log_server(mlog: MessageLog) -> Iterator[Listener]:
+    with serve(PRODUCER_ROLE, ProducerService(mlog)) as listener:
+        yield listener
+
+
+@pytest.fixture
+def cursor_server(cursor: Cursor) -> Iterator[Listener]:
+    listener = serve(CONSUMER_ROLE, ConsumerService(cursor, max_deliveries=5))
+    yield listener
+    listener.close()
+
+
+@pytest.fixture
+def remote_log(log_server: Listener) -> Iterator[RemoteMessageLog]:
+    with RemoteMessageLog(log_server.address, SECRET, timeout=5.0) as remote:
+        yield remote
+
+
+@pytest.fixture
+def remote_cursor(cursor_server: Listener) -> Iterator[RemoteCursor]:
+    with RemoteCursor(cursor_server.address, SECRET, timeout=5.0) as remote:
+        yield remote
+
+
+def bodies(log: MessageLog, stream: str = "orders") -> list[bytes]:
+    return [m.body for _, m in log.pending(stream)]
+
+
+def feed(c: Cursor, *payloads: bytes, stream: str = "orders") -> list[Message]:
+    """Accept ``payloads`` into the cursor as the next messages of ``stream``."""
+    ack = c.ack_for(stream)
+    last, epoch = (ack.seq, ack.epoch) if ack.epoch else (0, 7)
+    out = []
+    for body in payloads:
+        m = Message(uuid.uuid4().hex, stream, body, {"h": body.decode()})
+        c.deliver(Frame(stream, epoch, last + 1, last, m.message_id), m)
+        last += 1
+        out.append(m)
+    return out
+
+
+def available(c: Cursor, queue: str = "orders") -> list[tuple[bytes, int]]:
+    return [(d.body, d.delivery_count) for d in c.available(queue)]
+
+
+class NoVoter:
+    """A participant that votes no, sorted after the others: the remote branch prepares first."""
+
+    name = sort_key = "zz-no"
+
+    def start(self, xid: Xid) -> None:
+        return None
+
+    def prepare(self, xid: Xid) -> Vote:
+        raise TransientError("no")
+
+    def commit(self, xid: Xid, one_phase: bool = False) -> None:
+        return None
+
+    def rollback(self, xid: Xid) -> None:
+        return None
+
+    def recover(self) -> list[Xid]:
+        return []
+
+    def forget(self, xid: Xid) -> None:
+        return None
+
+
+# -- the producer ------------------------------------------------------------------------------
+
+
+def test_send_commits_with_postgres(
+    engine: sa.Engine,
+    mlog: MessageLog,
+    remote_log: RemoteMessageLog,
+    managers: list[TransactionManager],
+) -> None:
+    db = PostgresResource(engine, "db")
+    tm = make_manager(managers, [db, remote_log])
+    ids = []
+    for tid in ("t1", "t2"):
+        with tm.transaction() as tx:
+            move(tx.join(db), tid, 1, 10)
+            branch: RemoteProducerBranch = tx.join(remote_log)
+            ids.append(branch.send("orders", tid.encode(), headers={"tid": tid}))
+            branch.send("audit", b"x", persistent=False, ttl=60)
+    assert bodies(mlog) == [b"t1", b"t2"]
+    assert [m.message_id for _, m in mlog.pending("orders")] == ids
+    assert mlog.pending("orders")[1][1].headers == {"tid": "t2"}
+    assert [m.persistent for _, m in mlog.pending("audit#np")] == [False, False]
+    assert mlog.pending("audit#np")[0][1].expires_at is not None
+    assert transfer_ids(engine) == {"t1", "t2"}
+    assert prepared_gids(engine) == [] and mlog.prepared_gids() == []
+
+
+def test_send_rolls_back_with_postgres(
+    engine: sa.Engine,
+    mlog: MessageLog,
+    remote_log: RemoteMessageLog,
+    managers: list[TransactionManager],
+) -> None:
+    db = PostgresResource(engine, "db")
+    no = NoVoter()
+    tm = make_manager(managers, [db, remote_log, no])
+    with pytest.raises(RuntimeError), tm.transaction() as tx:  # before prepare: never shipped
+        move(tx.join(db), "t1", 1, 10)
+        tx.join(remote_log).send("orders", b"never")
+        raise RuntimeError("the application changed its mind")
+    with pytest.raises(TransactionRolledBack), tm.transaction() as tx:  # prepared, then no
+        move(tx.join(db), "t2", 1, 10)
+        tx.join(remote_log).send("orders", b"prepared then rolled back")
+        tx.join(no)
+        gid = Xid.branch_of(tx.gtrid, remote_log.name).to_gid()
+    assert mlog.is_tombstoned(gid)  # the server rolled the prepared branch back
+    assert bodies(mlog) == [] and mlog.prepared_gids() == []
+    assert transfer_ids(engine) == set() and prepared_gids(engine) == []
+
+
+def test_one_phase_and_local_validation(
+    mlog: MessageLog, remote_log: RemoteMessageLog, managers: list[TransactionManager]
+) -> None:
+    tm = make_manager(managers, [remote_log])
+    with tm.transaction() as tx:
+        branch: RemoteProducerBranch = tx.join(remote_log)
+        branch.send("orders", b"a")
+        branch.send("orders", b"b")
+        with pytest.raises(InvalidMessageError):
+            branch.send("bad destination!", b"c")
+        with pytest.raises(InvalidMessageError):
+            branch.send("orders", b"x" * (remote_log.max_message_bytes + 1))
+    assert tm.metrics_dict()["one_phase"] == 1
+    assert bodies(mlog) == [b"a", b"b"] and mlog.prepared_gids() == []
+    with tm.transaction() as tx:  # nothing sent: no round trip, nothing at the server
+        tx.join(remote_log)
+    with pytest.raises(TransactionRolledBack), tm.transaction() as tx:
+        branch = tx.join(remote_log)
+        branch.send("orders", b"rolled back before it was shipped")
+        tx.set_rollback_only()
+    with pytest.raises(IllegalStateError):
+        branch.send("orders", b"after the end")
+
+
+def test_a_full_destination_is_refused_at_prepare_as_transient(
+    tmp_path: Path, managers: list[TransactionManager]
+) -> None:
+    with (
+        MessageLog(tmp_path / "small", max_destination_messages=2) as log,
+        serve(PRODUCER_ROLE, ProducerService(log)) as listener,
+        RemoteMessageLog(listener.address, SECRET, timeout=5.0) as remote,
+    ):
+        tm = make_manager(managers, [remote])
+        with pytest.raises(TransactionRolledBack) as caught, tm.transaction() as tx:
+            branch = tx.join(remote)
+            for body in (b"1", b"2", b"3"):
+                branch.send("orders", body)
+        assert isinstance(caught.value.__cause__, DestinationFullError)
+        assert bodies(log) == [] and log.prepared_gids() == []
+        assert tm.run(lambda tx: tx.join(remote).send("orders", b"fits")) is not None
+        assert bodies(log) == [b"fits"]
+
+
+# -- the consumer ------------------------------------------------------------------------------
+
+
+def test_receive_commit_deletes_and_rollback_redelivers(
+    engine: sa.Engine,
+    cursor: Cursor,
+    remote_cursor: RemoteCursor,
+    managers: list[TransactionManager],
+) -> None:
+    db = PostgresResource(engine, "db")
+    tm = make_manager(managers, [db, remote_cursor])
+    feed(cursor, b"m1", b"m2")
+    with pytest.raises(RuntimeError), tm.transaction() as tx:
+        got = tx.join(remote_cursor).receive("orders")
+        assert got is not None and got.body == b"m1" and got.delivery_count == 1
+        move(tx.join(db), "m1", 1, 10)
+        raise RuntimeError("handler failed")
+    assert available(cursor) == [(b"m1", 1), (b"m2", 0)]
+    with tm.transaction() as tx:
+        branch: RemoteConsumerBranch = tx.join(remote_cursor)
+        again = branch.receive("orders")
+        assert again is not None and again.body == b"m1"
+        assert again.delivery_count == 2 and again.redelivered
+        assert again.headers == {"h": "m1"} and again.queue == "orders"
+        move(tx.join(db), "m1", 1, 10)
+    assert available(cursor) == [(b"m2", 0)]
+    assert transfer_ids(engine) == {"m1"}
+    assert cursor.prepared_gids() == [] and prepared_gids(engine) == []
+
+
+def test_receive_many_and_one_phase(
+    cursor: Cursor, remote_cursor: RemoteCursor, managers: list[TransactionManager]
+) -> None:
+    tm = make_manager(managers, [remote_cursor])
+    feed(cursor, *(b"m%d" % i for i in range(5)))
+    with tm.transaction() as tx:
+        branch: RemoteConsumerBranch = tx.join(remote_cursor)
+        first = branch.receive_many("orders", 3)
+        rest = branch.receive_many("orders", 10)
+        assert branch.receive_many("orders", 10, timeout=0.05) == []
+        assert branch.receive("other") is None
+    assert [d.body for d in first + rest] == [b"m0", b"m1", b"m2", b"m3", b"m4"]
+    assert tm.metrics_dict()["one_phase"] == 1
+    assert available(cursor) == [] and cursor.stats().in_flight == 0
+    with tm.transaction() as tx:  # received nothing: read-only, the server's branch ended
+        assert tx.join(remote_cursor).receive("orders") is None
+    assert cursor.stats().in_flight == 0
+
+
+def test_a_receive_waits_for_a_message(
+    cursor: Cursor, remote_cursor: RemoteCursor, managers: list[TransactionManager]
+) -> None:
+    tm = make_manager(managers, [remote_cursor])
+    timer = threading.Timer(0.2, feed, (cursor, b"late"))
+    timer.start()
+    try:
+        with tm.transaction() as tx:
+            got: Delivery | None = tx.join(remote_cursor).receive("orders", timeout=5.0)
+    finally:
+        timer.join()
+    assert got is not None and got.body == b"late"
+    assert available(cursor) == []
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+
+def test_recovery_finishes_branches_of_a_client_that_went_away(  # noqa: PLR0917
+    tmp_path: Path,
+    mlog: MessageLog,
+    cursor: Cursor,
+    log_server: Listener,
+    cursor_server: Listener,
+    managers: list[TransactionManager],
+) -> None:
+    feed(cursor, b"c1", b"c2")
+    first_log = RemoteMessageLog(log_server.address, SECRET, timeout=5.0)
+    first_cursor = RemoteCursor(cursor_server.address, SECRET, timeout=5.0)
+    for gtrid in ("node-1:old-1", "node-1:old-2"):
+        xid = Xid.branch_of(gtrid, first_log.name)
+        first_log.start(xid).send("orders", gtrid.encode())
+        assert first_log.prepare(xid) == Vote.COMMIT
+        cxid = Xid.branch_of(gtrid, first_cursor.name)
+        assert first_cursor.start(cxid).receive("orders") is not None
+        assert first_cursor.prepare(cxid) == Vote.COMMIT
+    first_log.close()
+    first_cursor.close()  # the connection ends: prepared branches are not the connection's
+    assert cursor.stats().prepared == 2 and available(cursor) == []
+    with FileDecisionLog(tmp_path / "dlog") as dlog:
+        dlog.log_commit(Decision("node-1:old-1", ("cursor", "mlog")))
+    remote_log = RemoteMessageLog(log_server.address, SECRET, timeout=5.0)
+    remote_cursor = RemoteCursor(cursor_server.address, SECRET, timeout=5.0)
+    assert len(remote_log.recover()) == 2 and len(remote_cursor.recover()) == 2
+    make_manager(managers, [remote_log, remote_cursor], FileDecisionLog(tmp_path / "dlog"))
+    assert bodies(mlog) == [b"node-1:old-1"]  # decided: committed; the orphan rolled back
+    assert mlog.prepared_gids() == [] and cursor.prepared_gids() == []
+    assert available(cursor) == [(b"c2", 1)]  # the orphan's message is back, c1 consumed
+    assert remote_log.recover() == [] and remote_cursor.recover() == []
+    remote_log.close()
+    remote_cursor.close()
+
+
+# -- broken connections ------------------------------------------------------------------------
+
+
+def test_a_connection_killed_mid_branch_loses_the_branch_not_the_message(
+    engine: sa.Engine, cursor: Cursor, managers: list[TransactionManager]
+) -> None:
+    db = PostgresResource(engine, "db")
+    feed(cursor, b"m1")
+    listener = serve(CONSUMER_ROLE, ConsumerService(cursor))
+    remote = RemoteCursor(listener.address, SECRET, timeout=5.0)
+    tm = make_manager(managers, [db, remote])
+    with pytest.raises(TransactionRolledBack) as caught, tm.transaction() as tx:
+        got = tx.join(remote).receive("orders")
+        assert got is not None and available(cursor) == []
+        move(tx.join(db), "m1", 1, 10)
+        listener.close()  # every server-side connection ends: the branch is rolled back
+        assert available(cursor) == [(b"m1", 1)]
+    assert isinstance(caught.value.__cause__, BranchLost)
+    assert caught.value.__cause__.code == "branch-lost"
+    assert transfer_ids(engine) == set() and prepared_gids(engine) == []
+    remote.close()
+    # a new server on the same cursor: the message is there once, and consumed once
+    with serve(CONSUMER_ROLE, ConsumerService(cursor)) as again:
+        remote = RemoteCursor(again.address, SECRET, timeout=5.0)
+        tm2 = make_manager(managers, [db, remote], node_id="node-2")
+        with tm2.transaction() as tx:
+            got = tx.join(remote).receive("orders")
+            assert got is not None and got.body == b"m1" and got.delivery_count == 2
+            move(tx.join(db), "m1", 1, 10)
+        remote.close()
+    assert available(cursor) == [] and transfer_ids(engine) == {"m1"}
+
+
+def test_a_later_receive_on_a_lost_branch_is_refused(cursor: Cursor) -> None:
+    feed(cursor, b"m1", b"m2")
+    listener = serve(CONSUMER_ROLE, ConsumerService(cursor))
+    remote = RemoteCursor(listener.address, SECRET, timeout=5.0)
+    xid = Xid.branch_of("node-1:lost-1", remote.name)
+    branch = remote.start(xid)
+    assert branch.receive("orders") is not None
+    listener.close()
+    with pytest.raises(BranchLost):
+        branch.receive("orders")
+    with pytest.raises(BranchLost):
+        remote.prepare(xid)
+    assert available(cursor) == [(b"m1", 1), (b"m2", 0)]
+    remote.close()
+
+
+def test_an_unreachable_server_is_transient(cursor: Cursor) -> None:
+    listener = serve(CONSUMER_ROLE, ConsumerService(cursor))
+    address = listener.address
+    listener.close()
+    remote = RemoteCursor(address, SECRET, timeout=2.0)
+    with pytest.raises(TransientError):
+        remote.recover()
+    with pytest.raises(TransientError):  # phase two: left to recovery, no outcome made up
+        remote.commit(Xid.branch_of("node-1:x-1", remote.name))
+    remote.close()
+
+
+class DropReplies:
+    """A server-side connection that swallows the reply to the first ``verb`` request and closes:
+    the server acted, the client never hears. Duck-types the `Connection` a service uses."""
+
+    dropped = 0
+
+    def __init__(self, conn: Connection, verb: FrameType, limit: int = 1) -> None:
+        self.conn, self.verb, self.limit = conn, verb, limit
+        self.last: object = None
+
+    def recv(self, timeout: float | None = None) -> object:
+        self.last = self.conn.recv(timeout)
+        return self.last
+
+    def send(self, frame: object) -> None:
+        last = self.last
+        mine = isinstance(last, XaRequest) and last.verb == self.verb
+        if mine and DropReplies.dropped < self.limit:
+            DropReplies.dropped += 1
+            self.conn.close()
+            raise OSError("reply dropped")
+        self.conn.send(frame)  # type: ignore[arg-type]
+
+
+def test_a_lost_answer_never_invents_an_outcome(
+    engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager]
+) -> None:
+    service = ProducerService(mlog)
+    DropReplies.dropped = 0
+
+    def handler(conn: Connection) -> None:
+        service(DropReplies(conn, FrameType.XA_COMMIT, limit=3))  # type: ignore[arg-type]
+
+    with serve(PRODUCER_ROLE, handler) as listener:
+        remote = RemoteMessageLog(listener.address, SECRET, timeout=5.0)
+        alone = make_manager(managers, [remote])
+        with pytest.raises(OutcomeUnknownError), alone.transaction() as tx:  # one phase
+            tx.join(remote).send("orders", b"one-phase")
+        assert bodies(mlog) == [b"one-phase"]  # it did commit: unknown, not rolled back
+        db = PostgresResource(engine, "db")
+        tm = make_manager(managers, [db, remote], node_id="node-2")
+        with pytest.warns(CompletionPending), tm.transaction() as tx:  # lost, and lost again
+            move(tx.join(db), "t1", 1, 10)
+            tx.join(remote).send("orders", b"two-phase")
+        assert bodies(mlog) == [b"one-phase", b"two-phase"]
+        assert mlog.prepared_gids() == [] and transfer_ids(engine) == {"t1"}
+        assert tm.recover(force=True).clean  # the repeated commit is answered, END written
+        remote.close()
+
+
+# -- refused peers and bad requests ------------------------------------------------------------
+
+
+def test_wrong_secret_and_wrong_role_are_refused(
+    log_server: Listener, cursor_server: Listener
+) -> None:
+    with pytest.raises(AuthError):
+        connect(log_server.address, SharedSecret(b"w" * 32), "intruder", PRODUCER_ROLE)
+    with pytest.raises(AuthError):
+        connect(cursor_server.address, SECRET, "confused", PRODUCER_ROLE)
+    with pytest.raises(AuthError):
+        RemoteMessageLog(cursor_server.address, SECRET, timeout=2.0).recover()
+    with pytest.raises(AuthError):
+        RemoteCursor(cursor_server.address, SharedSecret(b"w" * 32), timeout=2.0).recover()
+
+
+def ask(
+    conn: Connection, verb: FrameType, request_id: int, xid: Xid | None, args: dict[str, Value]
+) -> XaReply:
+    conn.send(XaRequest(verb, request_id, xid, args))
+    reply = conn.recv(timeout=5.0)
+    assert isinstance(reply, XaReply) and reply.request_id == request_id
+    return reply
+
+
+def test_malformed_requests_get_an_error_and_the_connection_goes_on(
+    cursor: Cursor, cursor_server: Listener, log_server: Listener, mlog: MessageLog
+) -> None:
+    feed(cursor, b"m1")
+    xid = Xid.branch_of("node-1:raw-1", "cursor")
+    bad: list[tuple[FrameType, Xid | None, dict[str, Any]]] = [
+        (FrameType.XA_START, xid, {"rm": "cursor", "op": "receive", "destination": 5}),
+        (FrameType.XA_START, xid, {"rm": "cursor", "op": "peek", "destination": "orders"}),
+        (
+            FrameType.XA_START,
+            xid,
+            {"rm": "cursor", "op": "receive", "destination": "orders", "max": 0},
+        ),
+        (FrameType.XA_START, xid, {"rm": "other", "op": "receive", "destination": "orders"}),
+        (FrameType.XA_PREPARE, None, {"rm": "cursor", "received": 0}),
+        (FrameType.XA_PREPARE, xid, {"rm": "cursor", "received": "1"}),
+        (FrameType.XA_RECOVER, None, {}),
+    ]
+    with connect(cursor_server.address, SECRET, "raw", CONSUMER_ROLE) as conn:
+        for n, (verb, x, args) in enumerate(bad, 1):
+            reply = ask(conn, verb, n, x, args)
+            assert reply.status == "bad-request", (verb, args, reply)
+            assert reply.message
+        lost = ask(conn, FrameType.XA_PREPARE, 50, xid, {"rm": "cursor", "received": 1})
+        assert lost.status == "branch-lost"
+        got = ask(conn, FrameType.XA_START, 51, xid,
+                  {"rm": "cursor", "op": "receive", "destination": "orders", "max": 5})  # fmt: skip
+        assert got.status == "ok" and len(got.result["deliveries"]) == 1  # type: ignore[arg-type]
+        short = ask(conn, FrameType.XA_PREPARE, 52, xid, {"rm": "cursor", "received": 0})
+        assert short.status == "branch-lost"  # holds 1, the client says 0: rolled back
+        assert available(cursor) == [(b"m1", 1)]
+        recovered = ask(conn, FrameType.XA_RECOVER, 53, None, {"rm": "cursor"})
+        assert recovered.status == "ok" and recovered.result == {"xids": []}
+    pxid = Xid.branch_of("node-1:raw-2", "mlog")
+    message: dict[str, Value] = {"id": "abc", "destination": "orders", "body": b"x", "headers": {},
+               "persistent": True, "expires_at": None}  # fmt: skip
+    with connect(log_server.address, SECRET, "raw", PRODUCER_ROLE) as conn:
+        assert ask(conn, FrameType.XA_START, 1, pxid, {"rm": "mlog"}).status == "bad-request"
+        no_body: dict[str, Value] = {**message, "body": "text"}
+        reply = ask(conn, FrameType.XA_PREPARE, 2, pxid, {"rm": "mlog", "messages": [no_body]})
+        assert reply.status == "mlog-invalid-message"
+        reply = ask(conn, FrameType.XA_PREPARE, 3, pxid, {"rm": "mlog", "messages": [{}]})
+        assert reply.status == "bad-request"
+        reply = ask(conn, FrameType.XA_PREPARE, 4, pxid, {"rm": "mlog", "messages": [message]})
+        assert reply.status == "ok" and reply.result == {"vote": "commit"}
+        reply = ask(conn, FrameType.XA_COMMIT, 5, pxid, {"rm": "mlog", "one_phase": False})
+        assert reply.status == "ok" and reply.result == {"outcome": None}
+    assert bodies(mlog) == [b"x"]
+
+
+def test_remote_error_codes_rebuild_the_right_exceptions() -> None:
+    from messaging.remote.protocol import RemoteError, error_from_reply, error_reply
+
+    class NewTransient(TransientError):
+        code = "some-new-transient"
+
+    rebuilt = error_from_reply(error_reply(1, DestinationFullError("full")))
+    assert isinstance(rebuilt, DestinationFullError) and isinstance(rebuilt, TransientError)
+    assert isinstance(error_from_reply(error_reply(1, NewTransient("x"))), TransientError)
+    assert isinstance(error_from_reply(error_reply(1, OutcomeUnknownError("?"))),
+                      OutcomeUnknownError)  # fmt: skip
+    unknown = error_from_reply(XaReply(1, "who-knows", {}, "strange"))
+    assert isinstance(unknown, RemoteError) and unknown.code == "remote-error"
+    assert isinstance(error_from_reply(error_reply(1, ValueError("bug"))), RemoteError)
