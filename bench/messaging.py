@@ -289,6 +289,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.messages = 300
+    base.exit_on_sigterm()  # so a killed run still removes its throwaway PostgreSQL
     batch_sizes = [int(n) for n in args.per_tx.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     results: list[base.PipelineResult] = []

@@ -344,7 +344,8 @@ async def _nats_connect(url: str) -> Any:
         url,
         connect_timeout=3,
         allow_reconnect=False,
-        max_reconnect_attempts=0,
+        max_reconnect_attempts=1,  # 0 would mean "retry the first connect forever" in nats-py
+        reconnect_time_wait=0.2,
         name="twopc-bench",
         error_cb=_ignore_error,
     )
@@ -683,7 +684,8 @@ def run_rabbitmq(
     try:
         admin = _rabbit_connect(url)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        return _skipped(RABBITMQ, per_tx, messages, f"{url}: {type(exc).__name__}: {exc}")
+        where = url.rsplit("@", maxsplit=1)[-1]
+        return _skipped(RABBITMQ, per_tx, messages, f"{where}: unreachable ({exc!r})")
     run = _Run(per_tx, messages)
     queue = f"twopc-bench-{run.prefix}"
     try:
