@@ -415,8 +415,10 @@ class Pong:
 @_frame(FrameType.MSG)
 @dataclass(frozen=True, slots=True)
 class Msg:
-    """One committed message of a stream. The cursor accepts it only if ``prev`` is the last
-    number it accepted in (``stream``, ``epoch``); ``seq`` becomes the new last. ``expires_at_ms``
+    """One committed message of a stream. The cursor accepts it only if ``seq`` is above the last
+    number it accepted in (``stream``, ``epoch``) and ``prev`` is not (the messages between were
+    acknowledged or expired; see `resource_managers.sequencing.classify`); ``seq`` becomes the
+    new last. ``expires_at_ms``
     is wall-clock milliseconds since the Unix epoch, None for never."""
 
     TYPE: ClassVar[FrameType] = FrameType.MSG

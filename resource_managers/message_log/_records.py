@@ -126,13 +126,18 @@ def new_message(
 
 
 def message_obj(m: Message) -> dict[str, Any]:
-    return {
+    """``p`` is written only for a non-persistent message (the cursor keeps those too), so
+    records of persistent ones are unchanged and old journals still read."""
+    obj = {
         "i": m.message_id,
         "d": m.destination,
         "h": m.headers,
         "b": base64.b64encode(m.body).decode("ascii"),
         "x": m.expires_at,
     }
+    if not m.persistent:
+        obj["p"] = False
+    return obj
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -166,12 +171,15 @@ def to_message(obj: object) -> Message:
         isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
     ):
         raise TypeError("headers are not str -> str")
+    persistent = obj.get("p", True)
+    if not isinstance(persistent, bool):
+        raise TypeError("persistent is not a boolean")
     return Message(
         _str(obj["i"]),
         _str(obj["d"]),
         base64.b64decode(_str(obj["b"]), validate=True),
         headers,
-        True,
+        persistent,
         expires,
     )
 

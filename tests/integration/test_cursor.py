@@ -182,7 +182,9 @@ def test_expired_messages_are_dropped_and_non_persistent_ones_skip_the_fsync(
         assert got is not None and got.body == b"later"  # "soon" expired at the head
         assert available(c) == [b"never", b"volatile"]
     with Cursor(curdir, clock_ms=lambda: clock[0]) as c:  # the drop is in the journal
-        assert [d.body for d in c.available("orders")] == [b"later", b"never", b"volatile"]
+        back = c.available("orders")
+        assert [d.body for d in back] == [b"later", b"never", b"volatile"]
+        assert [d.message.persistent for d in back] == [True, True, False]  # the flag is kept
 
 
 # -- consuming -------------------------------------------------------------------------------------
