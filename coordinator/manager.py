@@ -31,7 +31,7 @@ from .recovery import Recovery, RecoveryReport
 from .resource import Resource
 from .states import TxState
 from .transaction import Transaction
-from .xid import GtridFactory, Xid, custom_gtrid, validate_resource_name
+from .xid import GtridFactory, Xid, custom_gtrid, resource_of, validate_resource_name
 
 log = logging.getLogger("twopc.manager")
 T = TypeVar("T")
@@ -95,6 +95,9 @@ class TransactionManager:
     ``node_id`` prefixes every gtrid this manager creates; recovery only ever touches branches
     with this prefix, so give each live manager its own id (and its own log). ``resources`` must
     list every resource that may hold branches, so that recovery can reach them after a crash.
+    ``sub_branch_grace``: seconds before recovery presumes a stamped sub-branch (one begun by a
+    process this manager does not know, such as a Spark executor) aborted; longer than such a
+    process can take from its prepare to its coordinator's decision (`coordinator.xid`).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class TransactionManager:
         reaper_interval: float | None = 1.0,
         abandon_after: float = 60.0,
         backoff: Backoff | None = None,
+        sub_branch_grace: float = 900.0,
     ) -> None:
         self.node_id = node_id
         self.log = log
@@ -132,7 +136,12 @@ class TransactionManager:
         self._max_workers = max_workers
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._recovery = Recovery(
-            node_id, log, self._resources, self.metrics, backoff or ExponentialBackoff()
+            node_id,
+            log,
+            self._resources,
+            self.metrics,
+            backoff or ExponentialBackoff(),
+            sub_branch_grace=sub_branch_grace,
         )
         self._tickers: list[_reaper.Ticker] = []
         self._closed = False
@@ -333,7 +342,8 @@ class TransactionManager:
         """An operator has dealt with it: let the resource and the log drop the record."""
         for record in self.log.heuristics():
             if record.gtrid == gtrid and branch in (None, record.branch):
-                resource = self._resources.get(record.branch)
+                owner = resource_of(record.branch, self._resources)
+                resource = None if owner is None else self._resources.get(owner)
                 if resource is not None:
                     resource.forget(Xid.branch_of(gtrid, record.branch))
         self.log.forget_heuristic(gtrid, branch)

@@ -6,6 +6,10 @@ One pass does, in this order:
    decision: roll it back (presumed abort).
 What cannot finish now is retried with back-off on a later pass; nothing is guessed.
 
+Sub-branches (``<resource>~<tag>``, see `coordinator.xid`) are branches begun by processes this
+manager does not know (Spark executors), so the in-flight guard cannot vouch for them: one whose
+tag carries its birth time is left alone until it is older than ``sub_branch_grace``.
+
 The in-flight guard is exact, not timed: the manager that runs recovery holds the log (the
 directory lock or the lease), so no other process can own our branches, and it knows which of its
 own transactions are alive. The guard is snapshotted *before* the resources are listed, so a
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,7 +32,7 @@ from .decision_log import Decision, DecisionLog
 from .metrics import Metrics
 from .protocol import Action, BranchResult
 from .resource import Outcome, Resource
-from .xid import Xid
+from .xid import Xid, is_sub_branch_of, resource_of, sub_branch_born
 
 log = logging.getLogger("twopc.recovery")
 
@@ -83,8 +87,13 @@ class Recovery:
         resources: Mapping[str, Resource],
         metrics: Metrics,
         backoff: Backoff,
+        *,
+        sub_branch_grace: float = 900.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.node_id = node_id
+        self.sub_branch_grace = sub_branch_grace
+        self._clock = clock
         self.log = log_
         self.resources = resources
         self.metrics = metrics
@@ -131,7 +140,8 @@ class Recovery:
             self.metrics.incr("recovered_commits")
 
     def _commit_branch(self, gtrid: str, name: str, report: RecoveryReport) -> bool:
-        resource = self.resources.get(name)
+        owner = resource_of(name, self.resources)
+        resource = None if owner is None else self.resources.get(owner)
         xid = Xid.branch_of(gtrid, name)
         if resource is None:
             return self._failed(gtrid, f"{xid}: resource {name!r} is not configured", report)
@@ -166,10 +176,11 @@ class Recovery:
             return
         self.retries.succeeded(key)
         for xid in prepared:
+            mine = xid.bqual == resource.name or is_sub_branch_of(xid.bqual, resource.name)
             action = protocol.recovery_action(
-                ours=xid.belongs_to(self.node_id) and xid.bqual == resource.name,
+                ours=xid.belongs_to(self.node_id) and mine,
                 has_decision=xid.gtrid in decided,
-                maybe_in_flight=guard.maybe_in_flight(xid.gtrid),
+                maybe_in_flight=guard.maybe_in_flight(xid.gtrid) or self._young(xid),
             )
             if action != Action.ROLLBACK:
                 report.left_alone += action == Action.LEAVE_ALONE
@@ -195,6 +206,11 @@ class Recovery:
         if reported == Outcome.HEURISTIC_COMMIT:
             record_heuristic(self.log, xid.gtrid, resource.name, reported)
             report.heuristics.append(f"{xid}: {reported.value}")
+
+    def _young(self, xid: Xid) -> bool:
+        """A stamped sub-branch within its grace: its unknown owner may still be deciding."""
+        born = sub_branch_born(xid.bqual)
+        return born is not None and self._clock() - born < self.sub_branch_grace
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

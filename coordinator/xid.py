@@ -151,11 +151,12 @@ class Xid:
         return self.to_gid()
 
 
-def branches_of(gids: Iterable[str], bqual: str) -> list[Xid]:
+def branches_of(gids: Iterable[str], bqual: str, *, sub_branches: bool = False) -> list[Xid]:
     """The xids among ``gids`` that are twopc's (our format id) and branch ``bqual``, in order.
 
     Every resource's ``recover`` lists what its store holds and must keep only its own branches:
     a foreign or hostile gid is skipped, never parsed into something we would then finish.
+    ``sub_branches=True`` (a resource that opts in) also keeps ``bqual``'s sub-branches.
     """
     found: list[Xid] = []
     for gid in gids:
@@ -163,6 +164,50 @@ def branches_of(gids: Iterable[str], bqual: str) -> list[Xid]:
             xid = Xid.from_gid(gid)
         except InvalidXidError:
             continue
-        if xid.format_id == FORMAT_ID and xid.bqual == bqual:
+        if xid.format_id != FORMAT_ID:
+            continue
+        if xid.bqual == bqual or (sub_branches and is_sub_branch_of(xid.bqual, bqual)):
             found.append(xid)
     return found
+
+
+# -- sub-branches --------------------------------------------------------------------------------
+#
+# A transaction begun by this manager has one branch per resource, whose bqual is the resource's
+# name. A writer that runs in many processes under one gtrid (Spark: one branch per task attempt
+# on every resource) needs several branches of one resource in one gtrid, so its bqual is
+# ``<resource name>~<tag>``. Recovery finds the resource by the name before the separator, and a
+# tag ending in ``@<hex unix seconds>`` says when the branch was begun: such a branch was begun by
+# a process this manager does not know about, so recovery presumes it aborted only once it is
+# older than the manager's ``sub_branch_grace`` (the in-flight guard cannot know it).
+
+SUB_BRANCH_SEP = "~"
+_BORN = re.compile(r"@([0-9a-f]{1,12})\Z")
+
+
+def is_sub_branch_of(bqual: str, name: str) -> bool:
+    return bqual.startswith(name + SUB_BRANCH_SEP) and len(bqual) > len(name) + 1
+
+
+def sub_branch(name: str, tag: str, born: float | None = None) -> str:
+    """The bqual of a sub-branch of resource ``name``; ``born`` (unix seconds) is stamped in."""
+    stamp = "" if born is None else f"@{int(born):x}"
+    return _check_part("bqual", f"{name}{SUB_BRANCH_SEP}{tag}{stamp}")
+
+
+def sub_branch_born(bqual: str) -> float | None:
+    """When a stamped sub-branch was begun (unix seconds), else None."""
+    if SUB_BRANCH_SEP not in bqual:
+        return None
+    match = _BORN.search(bqual)
+    return float(int(match.group(1), 16)) if match else None
+
+
+def resource_of(bqual: str, names: Iterable[str]) -> str | None:
+    """The name among ``names`` that owns branch ``bqual``: the exact name, else the longest name
+    of which it is a sub-branch (a name may itself contain the separator), else None."""
+    candidates = list(names)
+    if bqual in candidates:
+        return bqual
+    owners = [n for n in candidates if is_sub_branch_of(bqual, n)]
+    return max(owners, key=len) if owners else None

@@ -46,7 +46,7 @@ from coordinator.errors import (
     ProgrammingError,
 )
 from coordinator.resource import Outcome, Vote
-from coordinator.xid import Xid, branches_of, validate_resource_name
+from coordinator.xid import Xid, branches_of, is_sub_branch_of, validate_resource_name
 from messaging.auth import SharedSecret
 from messaging.connection import Address, Connection, connect
 from messaging.frames import FrameType, Value, XaReply, XaRequest
@@ -226,7 +226,7 @@ class _RemoteResource:
         self.close()
 
     def _check(self, xid: Xid) -> Xid:
-        if xid.bqual != self._name:
+        if xid.bqual != self._name and not is_sub_branch_of(xid.bqual, self._name):
             raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
         return xid
 
@@ -310,7 +310,7 @@ class _RemoteResource:
 
     def recover(self) -> list[Xid]:
         gids = self._call(FrameType.XA_RECOVER, None, {}, _gids, idempotent=True)
-        return branches_of(gids, self._name)
+        return branches_of(gids, self._name, sub_branches=True)
 
     def forget(self, xid: Xid) -> None:
         self._call(FrameType.XA_FORGET, self._check(xid), {}, lambda r: None, idempotent=True)

@@ -63,7 +63,7 @@ from coordinator.errors import (
     TransactionError,
 )
 from coordinator.resource import Outcome, Vote
-from coordinator.xid import Xid
+from coordinator.xid import Xid, is_sub_branch_of
 from messaging.connection import Connection
 from messaging.frames import FrameType, Ping, Pong, Value, XaReply, XaRequest
 from resource_managers.cursor import (
@@ -162,7 +162,7 @@ class _Service(Generic[R]):
                     raise BadRequestError("XA_RECOVER takes no xid")
             elif request.xid is None:
                 raise BadRequestError(f"{request.verb.name} needs an xid")
-            elif request.xid.bqual != rm:
+            elif request.xid.bqual != rm and not is_sub_branch_of(request.xid.bqual, rm):
                 raise BadRequestError(f"rm {rm!r} is not the xid's branch {request.xid.bqual!r}")
             result = handler(self.resource(rm), request.xid, request.args, opened)
         except Exception as exc:

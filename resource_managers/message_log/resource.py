@@ -34,7 +34,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.xid import branches_of, validate_resource_name
+from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
 
 from ._log import BranchRolledBack, MessageLog
 from ._records import InvalidMessageError, Message, new_message
@@ -150,7 +150,7 @@ class MessageLogResource:
         return None
 
     def recover(self) -> list[Xid]:
-        return branches_of(self.log.prepared_gids(), self._name)
+        return branches_of(self.log.prepared_gids(), self._name, sub_branches=True)
 
     def forget(self, xid: Xid) -> None:
         self.log.forget(self._check(xid).to_gid())
@@ -170,6 +170,6 @@ class MessageLogResource:
         return branch
 
     def _check(self, xid: Xid) -> Xid:
-        if xid.bqual != self._name:
+        if xid.bqual != self._name and not is_sub_branch_of(xid.bqual, self._name):
             raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
         return xid

@@ -364,12 +364,13 @@ class PostgresResource:
     # -- recovery ----------------------------------------------------------------------------------
 
     def recover(self) -> list[Xid]:
-        """Our prepared branches in this database, owned by our role, of any age."""
+        """Our prepared branches (and sub-branches) in this database, owned by our role, of any
+        age."""
         rows = self._pooled_query(
             "SELECT gid FROM pg_prepared_xacts "
             "WHERE database = current_database() AND owner = current_user"
         )
-        found = branches_of((str(gid) for (gid,) in rows), self._name)
+        found = branches_of((str(gid) for (gid,) in rows), self._name, sub_branches=True)
         self._purge_markers()
         return found
 

@@ -434,13 +434,15 @@ class RedisResource:
     # -- recovery ----------------------------------------------------------------------------------
 
     def recover(self) -> list[Xid]:
-        """Our prepared branches (this resource's name as bqual, our format id), of any age."""
+        """Our prepared branches (this resource's name as bqual, or a sub-branch of it; our format
+        id), of any age."""
         with self._errors("reading the prepared set"):
             members = self.client.execute_command(
                 "ZRANGE", self._prepared, 0, -1, **{NEVER_DECODE: []}
             )
         # a non-ASCII member decodes to U+FFFD, which no gid holds: skipped like any stranger
-        return branches_of((m.decode("ascii", "replace") for m in members), self._name)
+        gids = (m.decode("ascii", "replace") for m in members)
+        return branches_of(gids, self._name, sub_branches=True)
 
     def forget(self, xid: Xid) -> None:
         """Drop the marker or tombstone of a completed branch (a prepared one is kept)."""

@@ -1,0 +1,127 @@
+"""Open what a parsed `WriteConfig` names: the resources, the ledger, the decision log.
+
+Kept apart from parsing because the two run at different times and places: options are parsed
+(and rejected) anywhere, cheaply; connections are opened where the work happens (an executor's
+Python worker, the driver's commit process) and closed when the call ends, since nothing
+survives between Spark's calls to us but the options and the commit messages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from coordinator import ConfigurationError, Resource
+from messaging.auth import SharedSecret
+from messaging.remote.client import RemoteMessageLog
+from resource_managers.postgres import PostgresResource
+from resource_managers.postgres.sql_log import SqlDecisionLog
+from resource_managers.redis import RedisResource
+
+from .ledger import Ledger
+from .targets import MessageLogTarget, PostgresTarget, RedisTarget, Target, WriteConfig
+
+
+@dataclass
+class Opened:
+    """Live resources of one call. ``resources`` maps a target's name to its resource, in the
+    targets' order; ``ledger_resource`` is the driver's branch on the log database."""
+
+    config: WriteConfig
+    resources: dict[str, Resource]
+    log_engine: Engine
+    ledger: Ledger
+    ledger_resource: PostgresResource
+    _stack: ExitStack = field(default_factory=ExitStack)
+
+    def all_resources(self) -> list[Resource]:
+        return [*self.resources.values(), self.ledger_resource]
+
+    def target(self, name: str) -> Target:
+        return next(t for t in self.config.targets if t.name == name)
+
+    def read_log(self) -> SqlDecisionLog | None:
+        """The decision log, read-only (no lease): what an executor may look at. None while its
+        tables do not exist yet (no driver has opened it: nothing can be decided)."""
+        table = f"{self.config.log.table_prefix}decision"
+        with self.log_engine.connect() as conn:
+            query = sa.text("SELECT to_regclass(:t) IS NOT NULL")
+            if not conn.execute(query, {"t": table}).scalar_one():
+                return None
+        log = SqlDecisionLog(
+            self.log_engine,
+            self.config.log.node,
+            table_prefix=self.config.log.table_prefix,
+            read_only=True,
+        )
+        self._stack.callback(log.close)
+        return log
+
+    def write_log(self) -> SqlDecisionLog:
+        """The decision log with the node's lease (the driver), waiting for a holder to leave."""
+        log = SqlDecisionLog(
+            self.log_engine,
+            self.config.log.node,
+            table_prefix=self.config.log.table_prefix,
+            acquire_timeout=self.config.log.acquire_timeout,
+            lease_seconds=self.config.log.lease_seconds,
+        )
+        self._stack.callback(log.close)
+        return log
+
+
+def _engine(url: str) -> Engine:
+    return sa.create_engine(url, pool_size=2, max_overflow=4, pool_pre_ping=True)
+
+
+def secret_of(target: MessageLogTarget) -> SharedSecret:
+    if target.secret_file:
+        return SharedSecret.from_file(target.secret_file)
+    env = os.environ.get("TWOPC_SECRET")
+    if env:
+        return SharedSecret(env.encode())
+    raise ConfigurationError(
+        f"target {target.name!r}: no shared secret: set option 'mlog.secret_file' or the "
+        "environment variable TWOPC_SECRET where the write runs"
+    )
+
+
+def _open(target: Target, stack: ExitStack) -> Resource:
+    if isinstance(target, PostgresTarget):
+        engine = _engine(target.url)
+        stack.callback(engine.dispose)
+        return PostgresResource(engine, target.name)
+    if isinstance(target, RedisTarget):
+        client: Any = redis.Redis.from_url(target.url)
+        stack.callback(client.close)
+        return RedisResource(
+            client,
+            target.name,
+            namespace=target.namespace,
+            durability=target.durability,
+            blind_writes=True,
+        )
+    resource = RemoteMessageLog((target.host, target.port), secret_of(target), name=target.name)
+    stack.callback(resource.close)
+    return resource
+
+
+@contextmanager
+def open_targets(config: WriteConfig) -> Iterator[Opened]:
+    """Every resource of ``config`` plus the log database; all closed on exit."""
+    with ExitStack() as stack:
+        resources = {t.name: _open(t, stack) for t in config.targets}
+        log_engine = _engine(config.log.url)
+        stack.callback(log_engine.dispose)
+        ledger = Ledger(log_engine, config.log.table_prefix)
+        ledger_resource = PostgresResource(log_engine, config.log.ledger_name)
+        opened = Opened(config, resources, log_engine, ledger, ledger_resource)
+        stack.enter_context(opened._stack)
+        yield opened

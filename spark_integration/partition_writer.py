@@ -1,0 +1,235 @@
+"""The executor side: write one partition into every target and prepare, never commit.
+
+Why prepare and stop: Spark runs every attempt of a task (retries, speculative copies, attempts
+whose executor is lost) before it decides which one counts, and tells only the driver. So each
+attempt makes its work durable but invisible — a prepared branch per target — and returns the
+branch ids in its commit message; the driver commits the chosen ones and rolls back the rest.
+
+Steps, and why in this order:
+1. A committed gtrid (a replayed micro-batch, a batch job re-run with its ``txnVersion``) writes
+   nothing and says so (``skipped``): the rows are already there.
+2. Write every row into every target, in chunks (the row iterator is read once and never held
+   whole), then prepare each branch.
+3. Fence: read the decision again. If the gtrid got decided meanwhile (this attempt is a late
+   speculative copy or a zombie) and this attempt is not among the winners, roll back our own
+   branches now rather than leave them to recovery's grace period.
+4. Any failure rolls back every branch this attempt started, prepared or not, and re-raises: the
+   task fails and Spark retries it with a new attempt (and so new branch ids).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from itertools import islice
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from coordinator import ConfigurationError, Vote, Xid
+
+from .connect import Opened, open_targets
+from .ids import branch_xid, make_gtrid
+from .ledger import committed
+from .targets import (
+    MessageLogTarget,
+    PostgresTarget,
+    RedisTarget,
+    Target,
+    WriteConfig,
+    parse_options,
+)
+
+log = logging.getLogger("twopc.spark.writer")
+
+CHUNK_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class CommitMessage:
+    """What one task attempt tells the driver (Spark pickles it there).
+
+    ``branches`` are the gids this attempt prepared (read-only branches, which wrote nothing,
+    are absent); ``counts`` are rows written per target; ``prepared_at`` (unix seconds) is when
+    the first branch began, which bounds how late the driver may still decide.
+    """
+
+    gtrid: str
+    partition: int
+    attempt: int
+    task_attempt_id: int
+    branches: tuple[str, ...] = ()
+    rows: int = 0
+    counts: tuple[tuple[str, int], ...] = ()
+    skipped: bool = False
+    prepared_at: float = 0.0
+
+    @property
+    def xids(self) -> tuple[Xid, ...]:
+        return tuple(Xid.from_gid(gid) for gid in self.branches)
+
+
+def resolve_gtrid(
+    options: Mapping[str, str], batch_id: int | None, gtrid: str | None
+) -> tuple[str, WriteConfig]:
+    """The write's gtrid (given, by batch id, or by ``txnVersion``) and the parsed config."""
+    config = parse_options(options)
+    if gtrid is None:
+        if batch_id is None and config.txn_version is None:
+            raise ConfigurationError(
+                "no transaction id: pass option 'txnVersion', a streaming batch id, or a gtrid "
+                "made once on the driver with spark_integration.ids.make_gtrid"
+            )
+        gtrid = make_gtrid(
+            config.app_id, batch_id=batch_id, txn_version=config.txn_version, node=config.log.node
+        )
+    return gtrid, config
+
+
+def write_partition(
+    options: Mapping[str, str],
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    partition: int,
+    attempt: int,
+    task_attempt_id: int,
+    batch_id: int | None = None,
+    gtrid: str | None = None,
+) -> CommitMessage:
+    """Write ``rows`` into every target under prepared branches; see the module docstring."""
+    gtrid, config = resolve_gtrid(options, batch_id, gtrid)
+    base = CommitMessage(gtrid, partition, attempt, task_attempt_id)
+    with open_targets(config) as opened:
+        reader = opened.read_log()
+        if committed(reader, opened.ledger, gtrid) is not None:
+            for _ in rows:  # drain: Spark expects the iterator consumed
+                pass
+            log.info("%s already committed: partition %d writes nothing", gtrid, partition)
+            return replace(base, skipped=True)
+        born = time.time()
+        nonce = secrets.token_hex(2)
+        xids = {
+            name: branch_xid(
+                gtrid,
+                name,
+                partition=partition,
+                attempt=attempt,
+                task_attempt_id=task_attempt_id,
+                born=born,
+                nonce=nonce,
+            )
+            for name in opened.resources
+        }
+        started: list[str] = []
+        try:
+            handles = {}
+            for name, resource in opened.resources.items():
+                handles[name] = resource.start(xids[name])
+                started.append(name)
+            counts = _write_all(opened, handles, rows)
+            prepared = []
+            for name, resource in sorted(opened.resources.items(), key=lambda kv: kv[1].sort_key):
+                if resource.prepare(xids[name]) == Vote.COMMIT:
+                    prepared.append(xids[name].to_gid())
+            decided = committed(reader, opened.ledger, gtrid)
+            if decided is not None:
+                mine = {Xid.from_gid(gid).bqual for gid in prepared}
+                if not mine <= set(decided.branches):
+                    log.warning("%s was decided without attempt %s: rolling back", gtrid, nonce)
+                    _rollback(opened, xids, started)
+                    return replace(base, skipped=True)
+        except BaseException:
+            _rollback(opened, xids, started)
+            raise
+        return CommitMessage(
+            gtrid,
+            partition,
+            attempt,
+            task_attempt_id,
+            branches=tuple(prepared),
+            rows=max(counts.values(), default=0),
+            counts=tuple(counts.items()),
+            prepared_at=born,
+        )
+
+
+def _rollback(opened: Opened, xids: Mapping[str, Xid], started: list[str]) -> None:
+    for name in started:
+        try:
+            opened.resources[name].rollback(xids[name])
+        except Exception as exc:  # a branch we cannot reach now is left to recovery
+            log.warning("rollback of %s failed, recovery will retry: %r", xids[name], exc)
+
+
+def _chunks(rows: Iterable[Mapping[str, Any]]) -> Iterator[list[Mapping[str, Any]]]:
+    iterator = iter(rows)
+    while chunk := list(islice(iterator, CHUNK_ROWS)):
+        yield chunk
+
+
+def _write_all(
+    opened: Opened, handles: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
+) -> dict[str, int]:
+    counts = dict.fromkeys(handles, 0)
+    for chunk in _chunks(rows):
+        for name, handle in handles.items():
+            counts[name] += _write_chunk(opened.target(name), handle, chunk)
+    return counts
+
+
+def _write_chunk(target: Target, handle: Any, chunk: list[Mapping[str, Any]]) -> int:
+    if isinstance(target, PostgresTarget):
+        return _write_postgres(target, handle, chunk)
+    if isinstance(target, RedisTarget):
+        return _write_redis(target, handle, chunk)
+    return _write_mlog(target, handle, chunk)
+
+
+def _write_postgres(target: PostgresTarget, session: Any, chunk: list[Mapping[str, Any]]) -> int:
+    """One multi-row INSERT (SQLAlchemy's insertmanyvalues) or INSERT .. ON CONFLICT per chunk."""
+    columns = target.columns or tuple(chunk[0].keys())
+    table = sa.table(target.table, *(sa.column(c) for c in columns), schema=target.schema)
+    params = [{c: row.get(c) for c in columns} for row in chunk]
+    if target.mode == "upsert":
+        stmt = pg_insert(table)
+        others = [c for c in columns if c not in target.key]
+        if others:
+            stmt = stmt.on_conflict_do_update(
+                index_elements=list(target.key), set_={c: stmt.excluded[c] for c in others}
+            )
+        else:
+            stmt = stmt.on_conflict_do_nothing(index_elements=list(target.key))
+        session.execute(stmt, params)
+    else:
+        session.execute(sa.insert(table), params)
+    return len(chunk)
+
+
+def _write_redis(target: RedisTarget, branch: Any, chunk: list[Mapping[str, Any]]) -> int:
+    for row in chunk:
+        key = target.key.render(row)
+        if target.op == "set":
+            assert target.value is not None
+            branch.set(key, target.value.render(row))
+        elif target.op == "hset":
+            assert target.value is not None and target.field is not None
+            branch.hset(key, target.field.render(row), target.value.render(row))
+        else:
+            amount = 1 if target.amount is None else int(row[target.amount])
+            branch.incrby(key, amount)
+    return len(chunk)
+
+
+def _write_mlog(target: MessageLogTarget, branch: Any, chunk: list[Mapping[str, Any]]) -> int:
+    for row in chunk:
+        if target.value is not None:
+            body = target.value.render(row).encode()
+        else:
+            body = json.dumps(dict(row), sort_keys=True, default=str).encode()
+        branch.send(target.destination, body)
+    return len(chunk)
