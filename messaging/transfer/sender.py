@@ -6,9 +6,12 @@ top, through the stream numbers (`resource_managers.sequencing`): the log number
 commit, this loop adopts them into a `StreamSender` per stream, which puts the previous number on
 each frame and judges every acknowledgment.
 
-Two threads: the *pump* reads new commits, expires, sends what is due (at most ``max_in_flight``
-unacknowledged first sends per stream, so a backlog cannot flood the socket and then time out in
-its buffer) and reconnects; the *reader* takes acknowledgments. A lost connection makes every
+One thread, the *pump*, owns the socket: it takes the acknowledgments that have arrived, reads
+new commits, expires, sends what is due (at most ``max_in_flight`` unacknowledged first sends per
+stream, so a backlog cannot flood the socket and then time out in its buffer), reconnects, and
+sleeps in ``select`` on the socket and a wake-up pipe (poked when the log publishes). A single
+owner matters: a TLS socket must not be read and written by two threads at once, and a timeout
+set for a read must not cut a concurrent write short. A lost connection makes every
 unacknowledged message due again on the next one, since what was on the old one may never have
 arrived. Nothing here is durable: the log holds the messages and their numbers, the cursor the
 filter, so a crash of either side at any point costs at most a resend that the filter drops.
@@ -19,7 +22,11 @@ Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
+import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -34,6 +41,7 @@ from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, Str
 
 from ..connection import Connection
 from ..frames import Ack, ErrorFrame, Msg, Nack, Ping, Pong
+from ..frames import Frame as WireFrame
 from .wire import to_wire
 
 log = logging.getLogger("twopc.transfer")
@@ -73,12 +81,15 @@ class LogTransfer:
         self.stats: Counter[str] = Counter()
         self._senders: dict[str, StreamSender] = {}
         self._lock = threading.Lock()  # the senders
-        self._wake = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._closing = threading.Event()
         self._conn: Connection | None = None
         self._threads: list[threading.Thread] = []
         self._seen_version = -1
         self._fenced_logged: set[str] = set()
+        self._last_sent = self._last_heard = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -91,12 +102,16 @@ class LogTransfer:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing.set()
-        self._wake.set()
-        conn = self._conn
-        if conn is not None:
-            conn.close()
+        self._poke()
         for thread in self._threads:
             thread.join(timeout)
+        self._drop()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            self._wake_w.send(b"x")
 
     def __enter__(self) -> LogTransfer:
         return self.start()
@@ -139,27 +154,32 @@ class LogTransfer:
             version = self.mlog.wait(seen, timeout=0.5)
             if version != seen:
                 seen = version
-                self._wake.set()
+                self._poke()
 
     def _pump(self) -> None:
         failures = 0
         while not self._closing.is_set():
-            self._wake.clear()
-            if self._conn is None or self._conn.closed:
+            if self._conn is None:
                 if not self._open():
                     failures += 1
                     self._closing.wait(self.reconnect.compute(failures))
                     continue
                 failures = 0
+            conn = self._conn
+            assert conn is not None
             try:
+                self._take_replies(conn)
                 more = self._step()
-            except (OSError, FrameError) as exc:
-                self.stats["send_errors"] += 1
-                log.info("%s: connection lost while sending: %s", self.name, exc)
+                if not more:
+                    self._idle(conn, self._sleep())
+            except TimeoutError:
+                self.stats["silent_peer"] += 1
+                log.warning("%s: the cursor is silent; reconnecting", self.name)
                 self._drop()
-                continue
-            if not more:
-                self._wake.wait(self._sleep())
+            except (OSError, FrameError) as exc:
+                self.stats["connection_errors"] += 1
+                log.info("%s: connection lost: %s", self.name, exc)
+                self._drop()
 
     def _open(self) -> bool:
         try:
@@ -173,17 +193,35 @@ class LogTransfer:
             for sender in self._senders.values():
                 sender.resend_all()
         self._conn = conn
-        reader = threading.Thread(
-            target=self._read, args=(conn,), name=f"twopc-{self.name}-reader", daemon=True
-        )
-        reader.start()
-        self._last_sent = time.monotonic()
+        self._last_sent = self._last_heard = time.monotonic()
         return True
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+    def _idle(self, conn: Connection, timeout: float) -> None:
+        """Sleep until a frame arrives, the log publishes, or ``timeout`` passes."""
+        if _buffered(conn):
+            return
+        ready, _, _ = select.select([conn.sock, self._wake_r], [], [], timeout)
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                while self._wake_r.recv(4096):
+                    pass
+
+    def _take_replies(self, conn: Connection) -> None:
+        """Handle every frame that has arrived, without waiting for more; a peer silent for
+        three ping intervals is given up (TimeoutError)."""
+        while _buffered(conn) or select.select([conn.sock], [], [], 0)[0]:
+            frame = conn.recv(timeout=self.ping_interval)  # a frame has begun: the rest follows
+            if frame is None:
+                raise ConnectionResetError("the cursor closed the connection")
+            self._last_heard = time.monotonic()
+            self._handle(conn, frame)
+        if time.monotonic() - self._last_heard > 3 * self.ping_interval:
+            raise TimeoutError("no frame from the cursor in three ping intervals")
 
     def _step(self) -> bool:
         """Adopt new commits, expire, send what is due; True if more is due at once."""
@@ -262,42 +300,24 @@ class LogTransfer:
 
     # -- the reader ------------------------------------------------------------------------------
 
-    def _read(self, conn: Connection) -> None:
-        try:
-            while not conn.closed:
-                frame = conn.recv(timeout=self.ping_interval * 3)
-                if frame is None:
-                    log.info("%s: the cursor closed the connection", self.name)
-                    break
-                if isinstance(frame, Ack):
-                    self._on_ack(frame)
-                elif isinstance(frame, Ping):
-                    conn.send(Pong(frame.token))
-                elif isinstance(frame, Pong):
-                    pass
-                elif isinstance(frame, Nack):
-                    self.stats["nacks"] += 1
-                    log.error(
-                        "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in "
-                        "the log and is resent",
-                        self.name, frame.seq, frame.stream, frame.epoch, frame.reason,
-                        frame.detail,
-                    )  # fmt: skip
-                elif isinstance(frame, ErrorFrame):
-                    log.error("%s: the cursor closes: %s %s", self.name, frame.code, frame.message)
-                    break
-                else:
-                    raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
-        except TimeoutError:
-            self.stats["silent_peer"] += 1
-            log.warning("%s: no frame from the cursor in %.0f s", self.name, self.ping_interval * 3)
-        except (OSError, FrameError) as exc:
-            if not conn.closed:
-                self.stats["read_errors"] += 1
-                log.info("%s: connection lost: %s", self.name, exc)
-        finally:
-            conn.close()
-            self._wake.set()
+    def _handle(self, conn: Connection, frame: WireFrame) -> None:
+        if isinstance(frame, Ack):
+            self._on_ack(frame)
+        elif isinstance(frame, Ping):
+            conn.send(Pong(frame.token))
+        elif isinstance(frame, Pong):
+            pass
+        elif isinstance(frame, Nack):
+            self.stats["nacks"] += 1
+            log.error(
+                "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in "
+                "the log and is resent",
+                self.name, frame.seq, frame.stream, frame.epoch, frame.reason, frame.detail,
+            )  # fmt: skip
+        elif isinstance(frame, ErrorFrame):
+            raise ConnectionAbortedError(f"the cursor closes: {frame.code} {frame.message}")
+        else:
+            raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
 
     def _on_ack(self, ack: Ack) -> None:
         with self._lock:
@@ -319,7 +339,11 @@ class LogTransfer:
             crash_point("xfer.log.before_compact")
             self.mlog.acknowledge(ack.stream, ack.epoch, ack.seq)
             self.stats["acknowledged"] += len(result.acknowledged)
-            self._wake.set()  # room in the window
+
+
+def _buffered(conn: Connection) -> bool:
+    """Decrypted bytes a TLS socket holds, which ``select`` on the socket cannot see."""
+    return isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending() > 0
 
 
 def _deadline(expires_at_ms: int | None) -> float | None:
