@@ -413,6 +413,13 @@ class Cursor:
             entry = self._state.entries.get(message_id)
             return None if entry is None else entry.count
 
+    def filter_counts(self) -> dict[str, int]:
+        """Frames judged since open, by verdict (``accept``, ``duplicate``, ``out-of-order``...):
+        duplicates and gaps are the transfer's resends at work; stale epochs mean a log was
+        restored or two logs feed one stream."""
+        with self._lock:
+            return {verdict.value: n for verdict, n in self._filter.counts.items()}
+
     def filter_state(self) -> dict[str, Any]:
         """`StreamFilter.to_dict` of the durable filter."""
         with self._lock:

@@ -159,6 +159,12 @@ class CursorResource:
             f"cursor_{self._name}_available": lambda: float(self.cursor.stats().available),
             f"cursor_{self._name}_in_flight": lambda: float(self.cursor.stats().in_flight),
             f"cursor_{self._name}_prepared": lambda: float(self.cursor.stats().prepared),
+            f"cursor_{self._name}_duplicates_dropped": lambda: float(
+                self.cursor.filter_counts()["duplicate"]
+            ),
+            f"cursor_{self._name}_out_of_order_dropped": lambda: float(
+                self.cursor.filter_counts()["out-of-order"]
+            ),
         }
 
     def _take(self, xid: Xid) -> ConsumerBranch:

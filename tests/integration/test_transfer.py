@@ -143,7 +143,7 @@ def test_a_log_that_lost_its_acks_resends_and_the_cursor_drops_the_copies(
             assert again.wait_idle(10)
         assert again.stats["ack_advanced"] >= 1
     assert bodies(cursor, "orders") == [b"1", b"2", b"3"]
-    assert cursor._filter.counts[Verdict.DUPLICATE] == 2
+    assert cursor.filter_counts()[Verdict.DUPLICATE.value] == 2
 
 
 def test_duplicates_and_gaps_are_dropped_and_reacknowledged(
