@@ -3,9 +3,13 @@ message log, on Spark's own two-phase write path, importable and testable withou
 
 Executors call `write_partition` (write and prepare, one branch per task attempt and target); the
 driver calls `commit` or `abort` with the commit messages; `recovery_manager` finishes what a
-crashed driver left. A ``pyspark.sql.datasource.DataSource`` only has to wire these to Spark's
-``write``/``commit``/``abort`` (see docs in each module).
+crashed driver left. `spark_integration.datasource` wires these to Spark's ``write``/``commit``/
+``abort`` (``format("twopc")``, batch and streaming) and `spark_integration.foreach_batch` to
+``foreachBatch``; those names (``TwopcDataSource``, ``register``, ``foreach_batch_writer``) are
+importable from here but loaded on first use, so nothing else needs pyspark.
 """
+
+from importlib import import_module
 
 from .driver_commit import CommitReport, abort, commit
 from .ids import make_gtrid
@@ -24,3 +28,17 @@ __all__ = [
     "recovery_manager",
     "write_partition",
 ]
+
+_SPARK_ONLY = {
+    "TwopcDataSource": "datasource",
+    "register": "datasource",
+    "foreach_batch_writer": "foreach_batch",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The pyspark-facing names, imported on first use so the protocol needs no pyspark."""
+    module = _SPARK_ONLY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{module}"), name)

@@ -34,7 +34,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from coordinator import ConfigurationError, Vote, Xid
 
 from .connect import Opened, open_targets
-from .ids import branch_xid, make_gtrid
+from .ids import branch_xid, make_gtrid, parse_branch
 from .ledger import committed
 from .targets import (
     MessageLogTarget,
@@ -111,6 +111,8 @@ def write_partition(
                 pass
             log.info("%s already committed: partition %d writes nothing", gtrid, partition)
             return replace(base, skipped=True)
+        if attempt > 0:
+            _retire_earlier_attempts(opened, gtrid, partition, attempt)
         born = time.time()
         nonce = secrets.token_hex(2)
         xids = {
@@ -156,6 +158,32 @@ def write_partition(
             counts=tuple(counts.items()),
             prepared_at=born,
         )
+
+
+def _retire_earlier_attempts(opened: Opened, gtrid: str, partition: int, attempt: int) -> None:
+    """Roll back what earlier attempts of this partition left prepared, before writing.
+
+    Spark retries a task only after its attempt failed (an exception, a lost executor, a lost
+    result), so that attempt can never be the partition's winner; but its prepared branches still
+    hold their locks (Redis keys, PostgreSQL rows under a unique key) and the retry writing the
+    same keys would wait on them and fail. With speculation on, the earlier attempt may instead
+    still be running: then rolling it back makes it fail, or, if Spark picks it anyway, makes the
+    driver refuse to commit (`driver_commit` checks every winner is still prepared). The job then
+    fails; nothing is ever written twice."""
+    for resource in opened.resources.values():
+        try:
+            prepared = resource.recover()
+        except Exception as exc:  # the writes below will meet the locks and say so
+            log.warning("cannot list %s's prepared branches: %r", resource.name, exc)
+            continue
+        for xid in prepared:
+            info = parse_branch(xid.bqual) if xid.gtrid == gtrid else None
+            if info is not None and info.partition == partition and info.attempt < attempt:
+                log.info("retiring %s of an earlier attempt of partition %d", xid, partition)
+                try:
+                    resource.rollback(xid)
+                except Exception as exc:
+                    log.warning("rollback of %s failed, recovery will retry: %r", xid, exc)
 
 
 def _rollback(opened: Opened, xids: Mapping[str, Xid], started: list[str]) -> None:

@@ -161,7 +161,9 @@ def test_failed_first_attempt_is_rolled_back_by_commit(env: Env) -> None:
         for p, part in enumerate(parts)
     ]
     report = commit(env.pg_only, chosen)
-    assert set(lost.branches) <= set(report.rolled_back)
+    assert report.outcome == "committed"
+    # the retry (attempt 1) retired it before writing, or the driver's prefix scan would have
+    assert not set(lost.branches) & set(env.prepared())
     env.expect_exactly_once(redis_too=False)
 
 
@@ -173,9 +175,24 @@ def test_speculative_duplicate_only_the_chosen_attempt_commits(env: Env) -> None
         env.pg_only, parts[2], partition=2, attempt=1, task_attempt_id=77, gtrid=gtrid
     )
     report = commit(env.pg_only, [first[0], first[1], speculative], gtrid=gtrid)
-    assert set(first[2].branches) <= set(report.rolled_back)
     assert set(speculative.branches) <= set(report.committed)
+    assert not set(first[2].branches) & set(env.prepared())  # retired by the later attempt
     env.expect_exactly_once(redis_too=False)  # no duplicate rows of partition 2
+
+
+def test_a_speculative_race_won_by_the_retired_attempt_fails_and_writes_nothing(
+    env: Env,
+) -> None:
+    """Spark picks the original attempt after its speculative copy retired it: the driver finds
+    a winner no longer prepared and refuses to decide; abort then cleans up. Never twice."""
+    gtrid = make_gtrid("orders")
+    parts = split(ROWS)
+    first = write_all(env.pg_only, gtrid=gtrid)
+    write_partition(env.pg_only, parts[2], partition=2, attempt=1, task_attempt_id=78, gtrid=gtrid)
+    with pytest.raises(TransactionRolledBack):
+        commit(env.pg_only, first, gtrid=gtrid)
+    abort(env.pg_only, first, gtrid=gtrid)
+    assert env.rows() == [] and env.prepared() == []
 
 
 def test_commit_twice_is_idempotent(env: Env) -> None:
@@ -201,7 +218,7 @@ def test_abort_without_decision_rolls_back_by_prefix(env: Env) -> None:
     write_partition(
         env.options,
         [{"id": 99, "name": "zombie"}],
-        partition=0,
+        partition=3,
         attempt=1,
         task_attempt_id=9,
         batch_id=5,
@@ -340,7 +357,8 @@ def test_message_log_target_with_retry_and_recovery(
         messages = write_all(options, gtrid=gtrid, attempt=1)
         assert sum(len(m.xids) for m in messages) == 6
         report = commit(options, messages)
-        assert set(failed.branches) <= set(report.rolled_back)
+        assert report.outcome == "committed"
+        assert not set(failed.branches) & set(env.prepared())  # retired by attempt 1
         bodies = sorted(m.body.decode() for _, m in mlog.pending("events"))
         assert bodies == sorted(f"{r['id']}:{r['name']}" for r in ROWS)
         env.expect_exactly_once(redis_too=False)

@@ -1,0 +1,180 @@
+"""The ``twopc`` Python Data Source: Spark's own write path wired to the twopc commit protocol.
+
+Why a Data Source and not ``foreachPartition``: only a Data Source gets Spark's two-phase write
+(``write`` per task attempt on executors, then one ``commit`` or ``abort`` on the driver with the
+message of the attempt Spark chose per partition). That is exactly the shape of
+`spark_integration.partition_writer` (prepare, never commit) and `spark_integration.driver_commit`
+(decide once, roll back every other attempt by prefix), so this module is only wiring:
+
+- Options are parsed in ``writer()``/``streamWriter()`` on the driver, so a missing option or an
+  unknown target fails the job before any task runs, with the `coordinator.ConfigurationError`
+  text in the error Spark shows.
+- Batch: the gtrid is made once in ``writer()`` (``appId`` + ``txnVersion``, or a fresh uuid: then
+  exactly once within this job, not across a manual re-run) and kept on the writer object, which
+  Spark pickles once and hands unchanged to every task and to ``commit``/``abort``.
+- Streaming: Spark rebuilds the stream writer per micro-batch and again in the process that runs
+  ``commit``, so nothing is kept between calls: executors read the batch id from the task's local
+  property ``streaming.sql.batchId`` and ``commit``/``abort`` get it as ``batchId``; the gtrid is a
+  function of ``appId`` and the batch id alone, so a replayed batch is recognised.
+- ``write`` never returns None (Spark fails such a task); ``abort`` never trusts its message
+  list (slots may be None, other attempts are unknown to Spark) and rolls back by gtrid prefix.
+- Only ``append``: ``overwrite`` would need a delete that is part of the same decision, which
+  the targets do not offer, so it is refused rather than silently appended.
+
+Rows reach the partition writer as dicts (``Row.asDict()``). An Arrow writer
+(``DataSourceArrowWriter``) is not offered yet: the targets take dict rows, and converting Arrow
+batches back to Python values would change value types (timestamps, decimals) for little gain
+while the per-row SQL insert dominates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    WriterCommitMessage,
+)
+
+from coordinator import ConfigurationError
+
+from . import driver_commit
+from .ids import make_gtrid
+from .partition_writer import CommitMessage, write_partition
+from .targets import parse_options
+
+if TYPE_CHECKING:
+    from pyspark.sql import Row, SparkSession
+    from pyspark.sql.types import StructType
+
+NAME = "twopc"
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+
+
+@dataclass(frozen=True)
+class TwopcCommitMessage(WriterCommitMessage):
+    """Spark's envelope around one task attempt's `CommitMessage` (pickled to the driver)."""
+
+    message: CommitMessage
+
+
+def _refuse_overwrite(overwrite: bool) -> None:
+    if overwrite:
+        raise ConfigurationError(
+            "the twopc data source only appends: use mode('append') (overwrite would need a "
+            "delete inside the same transaction, which it does not do)"
+        )
+
+
+def _task() -> TaskContext:
+    context = TaskContext.get()
+    if context is None:  # write() runs only inside a Spark task
+        raise RuntimeError("twopc write() called outside a Spark task")
+    return context
+
+
+def _rows(iterator: Iterator[Row]) -> Iterator[dict[str, Any]]:
+    return (row.asDict() for row in iterator)
+
+
+def _unwrap(messages: list[WriterCommitMessage | None]) -> list[CommitMessage | None]:
+    unwrapped: list[CommitMessage | None] = []
+    for message in messages:
+        if message is None:
+            unwrapped.append(None)
+        elif isinstance(message, TwopcCommitMessage):
+            unwrapped.append(message.message)
+        else:
+            raise TypeError(f"not a twopc commit message: {type(message).__name__}")
+    return unwrapped
+
+
+class TwopcBatchWriter(DataSourceWriter):
+    """A batch write: one gtrid for the whole job, made on the driver, pickled everywhere."""
+
+    def __init__(self, options: Mapping[str, str], gtrid: str) -> None:
+        self.options = dict(options)
+        self.gtrid = gtrid
+
+    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+        context = _task()
+        message = write_partition(
+            self.options,
+            _rows(iterator),
+            partition=context.partitionId(),
+            attempt=context.attemptNumber(),
+            task_attempt_id=context.taskAttemptId(),
+            gtrid=self.gtrid,
+        )
+        return TwopcCommitMessage(message)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        driver_commit.commit(self.options, _unwrap(messages), gtrid=self.gtrid)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        driver_commit.abort(self.options, _unwrap(messages), gtrid=self.gtrid)
+
+
+class TwopcStreamWriter(DataSourceStreamWriter):
+    """A micro-batch write: the gtrid comes from ``appId`` and the batch id, nothing is kept."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+
+    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+        context = _task()
+        batch = context.getLocalProperty(BATCH_ID_PROPERTY)
+        if batch is None:
+            raise RuntimeError(f"no local property {BATCH_ID_PROPERTY!r}: not a streaming task")
+        message = write_partition(
+            self.options,
+            _rows(iterator),
+            partition=context.partitionId(),
+            attempt=context.attemptNumber(),
+            task_attempt_id=context.taskAttemptId(),
+            batch_id=int(batch),
+        )
+        return TwopcCommitMessage(message)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        driver_commit.commit(self.options, _unwrap(messages), batch_id=batchId)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        driver_commit.abort(self.options, _unwrap(messages), batch_id=batchId)
+
+
+class TwopcDataSource(DataSource):
+    """``df.write.format("twopc")`` and ``df.writeStream.format("twopc")``; options in
+    `spark_integration.targets`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        _refuse_overwrite(overwrite)
+        options = dict(self.options)
+        config = parse_options(options)
+        gtrid = make_gtrid(config.app_id, txn_version=config.txn_version, node=config.log.node)
+        return TwopcBatchWriter(options, gtrid)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        _refuse_overwrite(overwrite)
+        options = dict(self.options)
+        config = parse_options(options)
+        if config.txn_version is not None:
+            raise ConfigurationError(
+                "option 'txnVersion' is for batch writes; a streaming write is keyed by its "
+                "micro-batch id (keep 'appId' stable across restarts of the query)"
+            )
+        return TwopcStreamWriter(options)
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``format("twopc")`` known to ``spark`` (once per session)."""
+    spark.dataSource.register(TwopcDataSource)

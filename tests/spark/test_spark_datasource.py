@@ -1,0 +1,322 @@
+"""The ``twopc`` data source under real Spark, PostgreSQL and Redis: Spark chooses the attempts,
+retries the failed ones and calls ``commit``/``abort`` itself; the tests check what is left in
+the databases: every row once, nothing prepared, nothing at all after a failed job.
+
+One SparkSession serves the whole file (tests/spark/conftest.py); the first write pays for cold
+Python workers (~4 s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy import text
+
+from tests.support.pg import prepared_gids
+
+if importlib.util.find_spec("pyspark") is None:  # under CI a missing pyspark must not pass
+    if os.environ.get("CI", "").lower() == "true":
+        raise RuntimeError("pyspark is not installed: pip install -e '.[spark]'")
+    pytest.skip("pyspark is not installed", allow_module_level=True)
+
+from pyspark import TaskContext, cloudpickle
+from pyspark.sql import functions as F
+from pyspark.sql.datasource import DataSourceWriter, WriterCommitMessage
+from pyspark.sql.types import IntegerType
+
+from spark_integration.datasource import (
+    TwopcBatchWriter,
+    TwopcCommitMessage,
+    TwopcDataSource,
+)
+from spark_integration.foreach_batch import foreach_batch_writer
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, Row, SparkSession
+    from pyspark.sql.types import StructType
+
+pytestmark = pytest.mark.spark
+# executors cannot import this module by the name pytest gave it: ship its code by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
+
+N = 1000
+PARTS = 4
+
+
+@dataclass
+class Env:
+    data: sa.Engine
+    log: sa.Engine
+    redis: Any  # redis.Redis, bytes in and out
+    options: dict[str, str]  # PostgreSQL + Redis
+    pg_only: dict[str, str]
+
+    def ids(self, table: str = "items") -> list[int]:
+        with self.data.connect() as conn:
+            return [int(i) for i in conn.execute(text(f"SELECT id FROM {table} ORDER BY id"))]
+
+    def rows(self) -> list[tuple[int, str]]:
+        with self.data.connect() as conn:
+            query = "SELECT id, name FROM items ORDER BY id, name"
+            return [(int(r[0]), str(r[1])) for r in conn.execute(text(query))]
+
+    def redis_items(self) -> dict[str, str]:
+        keys = [k.decode() for k in self.redis.keys("item:*")]
+        return {k: self.redis.get(k).decode() for k in keys}
+
+    def prepared(self) -> list[str]:
+        redis_prepared = self.redis.zrange("twopc:{twopc}:prepared", 0, -1)
+        return prepared_gids(self.data) + prepared_gids(self.log) + list(map(str, redis_prepared))
+
+    def expect_exactly_once(self, n: int = N, redis_too: bool = True) -> None:
+        assert self.rows() == [(i, f"n{i}") for i in range(n)]
+        if redis_too:
+            assert self.redis_items() == {f"item:{i}": f"n{i}" for i in range(n)}
+        assert self.prepared() == []
+
+
+@pytest.fixture
+def env(make_pg_database: Callable[[], str], redis_url: str) -> Iterator[Env]:
+    data_url, log_url = make_pg_database(), make_pg_database()
+    data = sa.create_engine(data_url)
+    with data.begin() as conn:
+        conn.execute(text("CREATE TABLE items (id int NOT NULL, name text NOT NULL)"))
+        conn.execute(
+            text("CREATE TABLE strict_items (id int PRIMARY KEY, qty int CHECK (qty >= 0))")
+        )
+    log = sa.create_engine(log_url)
+    client = redis.Redis.from_url(redis_url)
+    common = {"appId": "orders", "log.url": log_url, "log.acquire_timeout": "20"}
+    pg = {"pg.url": data_url, "pg.table": "items"}
+    rd = {"redis.url": redis_url, "redis.op": "set", "redis.key": "item:{id}"}
+    rd["redis.value"] = "{name}"
+    yield Env(data, log, client, {**common, **pg, **rd}, {**common, **pg})
+    for engine in (data, log):  # never leave a prepared transaction behind: DROP would hang
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            for gid in prepared_gids(engine):
+                conn.exec_driver_sql("ROLLBACK PREPARED %s", (gid,))
+        engine.dispose()
+    client.close()
+
+
+def items(spark: SparkSession, n: int = N, parts: int = PARTS) -> DataFrame:
+    """Ids 0..n-1 in ``parts`` partitions (partition 1 of 4 holds 250..499), named ``n{id}``."""
+    return spark.range(0, n, numPartitions=parts).selectExpr(
+        "CAST(id AS INT) AS id", "CONCAT('n', CAST(id AS STRING)) AS name"
+    )
+
+
+def save(df: DataFrame, options: dict[str, str], fmt: str = "twopc") -> None:
+    df.write.format(fmt).options(**options).mode("append").save()
+
+
+# -- batch ----------------------------------------------------------------------------------------
+
+
+def test_batch_write_exactly_once_into_postgres_and_redis(spark: SparkSession, env: Env) -> None:
+    save(items(spark), env.options)
+    env.expect_exactly_once()
+
+
+class FailAfterPrepareWriter(TwopcBatchWriter):
+    """Partition 1's first attempt prepares its branches, records them, then fails the task:
+    Spark retries it and never tells the driver about the failed attempt."""
+
+    def __init__(self, inner: TwopcBatchWriter, marker: str) -> None:
+        super().__init__(inner.options, inner.gtrid)
+        self.marker = marker
+
+    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+        result = super().write(iterator)
+        context = TaskContext.get()
+        assert context is not None and isinstance(result, TwopcCommitMessage)
+        if context.partitionId() == 1 and context.attemptNumber() == 0:
+            Path(self.marker).write_text(json.dumps(result.message.branches))
+            raise RuntimeError("injected failure after prepare")
+        return result
+
+
+class FailAfterPrepare(TwopcDataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "twopc_fail_after_prepare"
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        marker = self.options.pop("test.marker")
+        inner = super().writer(schema, overwrite)
+        assert isinstance(inner, TwopcBatchWriter)
+        return FailAfterPrepareWriter(inner, marker)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        "pg",
+        "pg+redis",  # the retry retires the failed attempt's branches, whose locks it would meet
+    ],
+)
+def test_first_attempt_failing_after_prepare_is_retried_and_rolled_back(
+    spark: SparkSession, env: Env, tmp_path: Path, targets: str
+) -> None:
+    spark.dataSource.register(FailAfterPrepare)
+    marker = tmp_path / "failed-attempt.json"
+    options = env.pg_only if targets == "pg" else env.options
+    save(items(spark), {**options, "test.marker": str(marker)}, fmt=FailAfterPrepare.name())
+    failed = json.loads(marker.read_text())
+    assert len(failed) == len(targets.split("+"))  # attempt 0 of partition 1 did prepare
+    env.expect_exactly_once(redis_too=targets != "pg")  # commit() rolled those branches back
+
+
+@pytest.mark.filterwarnings("ignore:Cannot infer the eval type")
+def test_first_attempt_failing_while_writing_is_retried(
+    spark: SparkSession, env: Env, tmp_path: Path
+) -> None:
+    marker = tmp_path / "failed-attempt"
+
+    def fail_on_first_attempt_of_partition_1(i: int) -> int:
+        context = TaskContext.get()
+        if context and context.partitionId() == 1 and context.attemptNumber() == 0 and i == 499:
+            marker.touch()  # the writer has consumed the partition's other rows by now
+            raise RuntimeError("injected failure on the last row of partition 1")
+        return i
+
+    fail = F.udf(fail_on_first_attempt_of_partition_1, IntegerType())
+    save(items(spark).withColumn("id", fail("id")), env.options)
+    assert marker.exists()
+    env.expect_exactly_once()
+
+
+def test_rerun_with_the_same_txn_version_writes_nothing(spark: SparkSession, env: Env) -> None:
+    options = {**env.options, "txnVersion": "2026-11-21"}
+    save(items(spark), options)
+    env.data.dispose()
+    save(items(spark), options)  # the job re-run by hand: already committed, every task skips
+    env.expect_exactly_once()
+    save(items(spark, n=10), {**options, "txnVersion": "next"})  # a new version writes
+    with env.data.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM items")).scalar_one() == N + 10
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda o: {k: v for k, v in o.items() if k != "appId"}, "appId"),
+        (lambda o: {**o, "kafka.url": "localhost:9092"}, "kafka.url"),
+        (lambda o: {**o, "pg.tabel": "items"}, "pg.tabel"),
+    ],
+    ids=["missing-appId", "unknown-target", "unknown-option"],
+)
+def test_bad_options_fail_the_job_naming_the_option(
+    spark: SparkSession,
+    env: Env,
+    change: Callable[[dict[str, str]], dict[str, str]],
+    named: str,
+) -> None:
+    with pytest.raises(Exception, match="ConfigurationError") as info:
+        save(items(spark, n=10), change(env.options))
+    assert repr(named) in str(info.value)
+    assert env.rows() == [] and env.prepared() == []
+
+
+def test_overwrite_is_refused(spark: SparkSession, env: Env) -> None:
+    with pytest.raises(Exception, match="only appends"):
+        items(spark, n=10).write.format("twopc").options(**env.options).mode("overwrite").save()
+    assert env.rows() == []
+
+
+def test_constraint_violation_fails_the_job_and_leaves_nothing(
+    spark: SparkSession, env: Env
+) -> None:
+    df = spark.range(0, N, numPartitions=PARTS).selectExpr(
+        "CAST(id AS INT) AS id", "IF(id = 999, -1, 1) AS qty"
+    )
+    with pytest.raises(Exception, match="strict_items_qty_check"):
+        save(df, {**env.pg_only, "pg.table": "strict_items"})
+    assert env.ids("strict_items") == []
+    assert env.prepared() == []
+
+
+# -- Structured Streaming ---------------------------------------------------------------------
+
+
+def csv_batches(directory: Path, batches: int = 3, per_batch: int = 100) -> int:
+    """``batches`` CSV files of ids, one micro-batch each (maxFilesPerTrigger=1)."""
+    directory.mkdir()
+    for b in range(batches):
+        ids = range(b * per_batch, (b + 1) * per_batch)
+        (directory / f"part-{b}.csv").write_text("".join(f"{i},n{i}\n" for i in ids))
+    return batches * per_batch
+
+
+def run_available_now(spark: SparkSession, source: Path, start: Callable[[Any], Any]) -> None:
+    stream = (
+        spark.readStream.schema("id INT, name STRING")
+        .option("maxFilesPerTrigger", 1)
+        .csv(str(source))
+    )
+    query = start(stream.writeStream.trigger(availableNow=True))
+    try:
+        assert query.awaitTermination(120)
+        assert query.exception() is None
+    finally:
+        query.stop()
+
+
+def test_streaming_query_writes_every_id_once_and_a_replayed_batch_nothing(
+    spark: SparkSession, env: Env, tmp_path: Path
+) -> None:
+    n = csv_batches(tmp_path / "in")
+    checkpoint = tmp_path / "checkpoint"
+
+    def start(writer: Any) -> Any:
+        return (
+            writer.format("twopc")
+            .options(**env.pg_only)
+            .option("checkpointLocation", str(checkpoint))
+            .start()
+        )
+
+    run_available_now(spark, tmp_path / "in", start)
+    env.expect_exactly_once(n, redis_too=False)
+    commits = sorted(int(p) for p in os.listdir(checkpoint / "commits") if p.isdigit())
+    assert commits == [0, 1, 2]
+    # the driver died after the sink committed batch 2 but before Spark logged it: batch 2 is
+    # run again with the same id on restart, and must write nothing
+    for name in ("2", ".2.crc"):
+        (checkpoint / "commits" / name).unlink(missing_ok=True)
+    run_available_now(spark, tmp_path / "in", start)
+    assert (checkpoint / "commits" / "2").exists()  # batch 2 did run again
+    env.expect_exactly_once(n, redis_too=False)
+
+
+def test_foreach_batch_writer_writes_every_id_once(
+    spark: SparkSession, env: Env, tmp_path: Path
+) -> None:
+    n = csv_batches(tmp_path / "in")
+    write_batch = foreach_batch_writer(env.options)
+
+    def start(writer: Any) -> Any:
+        return (
+            writer.foreachBatch(write_batch)
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .start()
+        )
+
+    run_available_now(spark, tmp_path / "in", start)
+    env.expect_exactly_once(n)
+    # a micro-batch function called again with a batch id already written does nothing
+    write_batch(items(spark, n=100), 0)
+    env.expect_exactly_once(n)
