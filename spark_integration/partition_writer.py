@@ -19,8 +19,10 @@ Steps, and why in this order:
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any
 
+import psycopg2.extras
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -111,8 +114,7 @@ def write_partition(
                 pass
             log.info("%s already committed: partition %d writes nothing", gtrid, partition)
             return replace(base, skipped=True)
-        if attempt > 0:
-            _retire_earlier_attempts(opened, gtrid, partition, attempt)
+        _retire_other_attempts(opened, gtrid, partition)
         born = time.time()
         nonce = secrets.token_hex(2)
         xids = {
@@ -160,16 +162,17 @@ def write_partition(
         )
 
 
-def _retire_earlier_attempts(opened: Opened, gtrid: str, partition: int, attempt: int) -> None:
-    """Roll back what earlier attempts of this partition left prepared, before writing.
+def _retire_other_attempts(opened: Opened, gtrid: str, partition: int) -> None:
+    """Roll back what other attempts of this partition left prepared, before writing.
 
-    Spark retries a task only after its attempt failed (an exception, a lost executor, a lost
-    result), so that attempt can never be the partition's winner; but its prepared branches still
-    hold their locks (Redis keys, PostgreSQL rows under a unique key) and the retry writing the
-    same keys would wait on them and fail. With speculation on, the earlier attempt may instead
-    still be running: then rolling it back makes it fail, or, if Spark picks it anyway, makes the
-    driver refuse to commit (`driver_commit` checks every winner is still prepared). The job then
-    fails; nothing is ever written twice."""
+    Such a branch is a failed attempt's (Spark retried the task) or a dead run's (the driver
+    crashed before its decision and the restarted query replays the batch from attempt 0). It
+    cannot be a winner any more, but it still holds its locks (Redis keys, PostgreSQL rows under a
+    unique key), and this attempt, writing the same keys, would wait on them until recovery's
+    grace period ends. The one branch it could wrongly retire is a live one: a speculative copy,
+    or a zombie task of an older stage attempt. Then that copy fails, or, if Spark picks it
+    anyway, the driver refuses to commit (`driver_commit` checks every winner is still prepared)
+    and the job fails. Nothing is ever written twice."""
     for resource in opened.resources.values():
         try:
             prepared = resource.recover()
@@ -178,8 +181,8 @@ def _retire_earlier_attempts(opened: Opened, gtrid: str, partition: int, attempt
             continue
         for xid in prepared:
             info = parse_branch(xid.bqual) if xid.gtrid == gtrid else None
-            if info is not None and info.partition == partition and info.attempt < attempt:
-                log.info("retiring %s of an earlier attempt of partition %d", xid, partition)
+            if info is not None and info.partition == partition:
+                log.info("retiring %s, another attempt of partition %d", xid, partition)
                 try:
                     resource.rollback(xid)
                 except Exception as exc:
@@ -219,8 +222,16 @@ def _write_chunk(target: Target, handle: Any, chunk: list[Mapping[str, Any]]) ->
 
 
 def _write_postgres(target: PostgresTarget, session: Any, chunk: list[Mapping[str, Any]]) -> int:
-    """One multi-row INSERT (SQLAlchemy's insertmanyvalues) or INSERT .. ON CONFLICT per chunk."""
+    """Insert mode: one ``COPY .. FROM STDIN`` per chunk when every value is a plain scalar (str,
+    int, float, bool, None), else psycopg2's ``execute_values``; both on the branch's own
+    connection, so inside its transaction. Upsert mode: one INSERT .. ON CONFLICT per chunk
+    (SQLAlchemy's insertmanyvalues). Why not SQLAlchemy for inserts too: compiling and binding
+    a multi-row INSERT cost twice execute_values and ten times COPY per row (bench/spark_sink.py);
+    values are adapted by psycopg2 either way, as SQLAlchemy's untyped columns did."""
     columns = target.columns or tuple(chunk[0].keys())
+    if target.mode == "insert":
+        _insert_postgres(target, session, columns, chunk)
+        return len(chunk)
     table = sa.table(target.table, *(sa.column(c) for c in columns), schema=target.schema)
     params = [{c: row.get(c) for c in columns} for row in chunk]
     if target.mode == "upsert":
@@ -236,6 +247,68 @@ def _write_postgres(target: PostgresTarget, session: Any, chunk: list[Mapping[st
     else:
         session.execute(sa.insert(table), params)
     return len(chunk)
+
+
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _copy_text(rows: list[tuple[Any, ...]]) -> str | None:
+    """The rows in COPY's text format, or None if a value is not a plain scalar (dates, decimals,
+    bytes, containers, non-finite floats keep psycopg2's own adaptation)."""
+    lines = []
+    for row in rows:
+        fields = []
+        for value in row:
+            kind = type(value)
+            if kind is str:
+                fields.append(value.translate(_COPY_ESCAPES))
+            elif value is None:
+                fields.append("\\N")
+            elif kind is bool:
+                fields.append("t" if value else "f")
+            elif kind is int or (kind is float and math.isfinite(value)):
+                fields.append(repr(value))
+            else:
+                return None
+        lines.append("\t".join(fields))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _insert_postgres(
+    target: PostgresTarget, session: Any, columns: tuple[str, ...], chunk: list[Mapping[str, Any]]
+) -> None:
+    connection = session.connection()
+    quote = connection.dialect.identifier_preparer.quote
+    table = quote(target.table)
+    if target.schema is not None:
+        table = f"{quote(target.schema)}.{table}"
+    names = ", ".join(quote(c) for c in columns)
+    rows = [tuple(row.get(c) for c in columns) for row in chunk]
+    text = _copy_text(rows)
+    if text is not None:
+        sql = f"COPY {table} ({names}) FROM STDIN"
+    else:
+        sql = f"INSERT INTO {table} ({names}) VALUES %s"
+    dbapi = connection.connection.dbapi_connection
+    cursor = dbapi.cursor()
+    try:
+        if text is not None:
+            cursor.copy_expert(sql, io.StringIO(text))
+        else:
+            psycopg2.extras.execute_values(cursor, sql, rows, page_size=len(rows))
+    except psycopg2.Error as exc:
+        # raised as SQLAlchemy would have (IntegrityError, OperationalError, ...), and a lost
+        # connection is invalidated as SQLAlchemy would have, so callers see no difference
+        lost = connection.dialect.is_disconnect(exc, dbapi, cursor)
+        if lost:
+            connection.invalidate(exc)
+        raise sa.exc.DBAPIError.instance(
+            sql, None, exc, psycopg2.Error, connection_invalidated=lost, dialect=connection.dialect
+        ) from exc
+    finally:
+        if not cursor.closed:
+            cursor.close()
 
 
 def _write_redis(target: RedisTarget, branch: Any, chunk: list[Mapping[str, Any]]) -> int:
