@@ -12,6 +12,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import date
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -448,3 +450,27 @@ def _decide_only(env: Env, messages: list[CommitMessage]) -> None:
         branches = (*bquals, ledger_xid.bqual)
         driver_commit._prepare_ledger(opened, ledger_xid, branches)
         log.log_commit(Decision(gtrid, branches))
+
+
+def test_awkward_values_survive_the_copy_path_and_its_fallback(env: Env) -> None:
+    """Inserts go through COPY's text format when every value is plain, else execute_values:
+    tabs, backslashes, line ends, a literal backslash-N, NULL, unicode, huge floats, quoted
+    mixed-case names, and (fallback) dates and decimals all read back exactly."""
+    with env.data.begin() as conn:
+        conn.execute(text('CREATE TABLE "Odd" (id int, "Name" text, f float8, d date, n numeric)'))
+    texts = ["a\tb", "back\\slash", "line\nend", "cr\rlf", "", "literal \\N", "ünïcødé ✓", None]
+    plain = [{"id": i, "Name": t, "f": 1e300 if i % 2 else -0.5} for i, t in enumerate(texts)]
+    typed = [{"id": 100, "Name": "typed", "f": 2.5, "d": date(2026, 11, 21), "n": Decimal("1.10")}]
+    options = {**env.pg_only, "pg.table": "Odd"}
+    gtrid = make_gtrid("orders", txn_version="odd")
+    messages = [
+        write_partition(options, rows, partition=p, attempt=0, task_attempt_id=p, gtrid=gtrid)
+        for p, rows in enumerate((plain, typed))
+    ]
+    assert commit(options, messages, gtrid=gtrid).outcome == "committed"
+    with env.data.connect() as conn:
+        got = conn.execute(text('SELECT id, "Name", f, d, n FROM "Odd" ORDER BY id')).all()
+    expected = [(r["id"], r["Name"], r["f"], None, None) for r in plain]
+    expected.append((100, "typed", 2.5, date(2026, 11, 21), Decimal("1.10")))
+    assert [tuple(r) for r in got] == expected
+    assert env.prepared() == []
