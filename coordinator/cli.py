@@ -46,6 +46,7 @@ def _manager(cfg: config_mod.Config) -> TransactionManager:
         recover_on_start=False,
         recovery_interval=None,
         reaper_interval=None,
+        sub_branch_grace=cfg.sub_branch_grace,
     )
 
 

@@ -16,6 +16,10 @@ to recover) is named by a factory instead of ``log``: ``log_factory = "orders.tw
 It is called as ``factory(node_id)`` for ``twopc recover`` and ``factory(node_id, read_only=True)``
 for ``twopc status``, which must read a log while its live owner holds it and never write.
 
+``sub_branch_grace`` (seconds, default 900) is how long recovery leaves a branch begun by a process
+it does not know (a Spark task's) before presuming it aborted: set it to what the writers use
+(the Spark source's ``log.grace_seconds``), never less.
+
 JSON with the same keys works too (and is the only format on Python 3.10, which has no tomllib).
 """
 
@@ -41,6 +45,7 @@ class Config:
     log: Path | None
     resources: dict[str, str] = field(default_factory=dict)
     log_factory: str | None = None
+    sub_branch_grace: float = 900.0
 
     def build_log(self, *, read_only: bool = False) -> DecisionLog:
         if self.log is not None:
@@ -84,6 +89,9 @@ def load(path: str | Path) -> Config:
         raise ConfigurationError(f"config {path}: [resources] must map names to factories")
     for name in resources:
         validate_resource_name(name)
+    grace = raw.get("sub_branch_grace", 900.0)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace > 0:
+        raise ConfigurationError(f"config {path}: 'sub_branch_grace' must be seconds above 0")
     log_dir = Path(raw["log"]) if has_log else None
     if log_dir is not None and not log_dir.is_absolute():
         log_dir = path.parent / log_dir
@@ -92,6 +100,7 @@ def load(path: str | Path) -> Config:
         log_dir,
         {str(k): str(v) for k, v in resources.items()},
         raw.get("log_factory"),
+        float(grace),
     )
 
 

@@ -42,6 +42,13 @@ def test_config_is_validated(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"node_id": "a:b", "log": "x"}))
     with pytest.raises(InvalidXidError):
         config_mod.load(bad)
+    assert cfg.sub_branch_grace == 900.0
+    graced = tmp_path / "graced.json"
+    graced.write_text(json.dumps({"node_id": "ops-1", "log": "x", "sub_branch_grace": 120}))
+    assert config_mod.load(graced).sub_branch_grace == 120.0
+    graced.write_text(json.dumps({"node_id": "ops-1", "log": "x", "sub_branch_grace": 0}))
+    with pytest.raises(ConfigurationError, match="sub_branch_grace"):
+        config_mod.load(graced)
 
 
 def test_status_recover_and_inspect_on_an_empty_log(tmp_path: Path) -> None:
