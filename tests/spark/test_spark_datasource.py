@@ -21,6 +21,10 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy import text
 
+from messaging.auth import SharedSecret
+from messaging.connection import Listener
+from messaging.remote import PRODUCER_ROLE, ProducerService
+from resource_managers.message_log import MessageLog
 from tests.support.pg import prepared_gids
 
 if importlib.util.find_spec("pyspark") is None:  # under CI a missing pyspark must not pass
@@ -126,6 +130,33 @@ def save(df: DataFrame, options: dict[str, str], fmt: str = "twopc") -> None:
 def test_batch_write_exactly_once_into_postgres_and_redis(spark: SparkSession, env: Env) -> None:
     save(items(spark), env.options)
     env.expect_exactly_once()
+
+
+def test_batch_write_exactly_once_into_postgres_redis_and_the_message_log(
+    spark: SparkSession, env: Env, tmp_path: Path
+) -> None:
+    """All three targets in one transaction per task: a message log server (a real listener and
+    journal) receives one message per row from the executors, committed with the rows."""
+    secret = "spark test secret, 32 bytes long!"
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(secret)
+    mlog = MessageLog(tmp_path / "mlog")
+    listener = Listener(
+        ("127.0.0.1", 0), SharedSecret(secret.encode()), "spark-log",
+        {PRODUCER_ROLE: ProducerService(mlog)},
+    ).start()  # fmt: skip
+    try:
+        host, port = listener.address
+        options = {**env.options, "mlog.address": f"{host}:{port}", "mlog.destination": "items",
+                   "mlog.secret_file": str(secret_file), "mlog.value": "{id}:{name}"}  # fmt: skip
+        save(items(spark), options)
+        env.expect_exactly_once()
+        bodies = sorted(m.body.decode() for _, m in mlog.pending("items"))
+        assert bodies == sorted(f"{i}:n{i}" for i in range(N))
+        assert mlog.prepared_gids() == []
+    finally:
+        listener.close()
+        mlog.close()
 
 
 class FailAfterPrepareWriter(TwopcBatchWriter):
