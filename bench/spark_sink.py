@@ -166,9 +166,10 @@ def _plain(make: Callable[[str], Callable[[Iterator[Any]], None]]) -> Callable[.
     return run
 
 
-def _twopc(with_redis: bool) -> Callable[..., None]:
+def _twopc(with_redis: bool, arrow: bool = False) -> Callable[..., None]:
     def run(env: Env, df: DataFrame) -> None:
-        df.write.format("twopc").options(**env.twopc_options(with_redis)).mode("append").save()
+        options = {**env.twopc_options(with_redis), "arrow": str(arrow).lower()}
+        df.write.format("twopc").options(**options).mode("append").save()
 
     return run
 
@@ -177,6 +178,7 @@ SINKS = [
     Sink("ev", "plain foreachPartition (execute_values)", False, _plain(execute_values_sink)),
     Sink("copy", "plain foreachPartition (COPY)", False, _plain(copy_sink)),
     Sink("twopc", "twopc -> PostgreSQL", False, _twopc(False)),
+    Sink("twopc-arrow", "twopc -> PostgreSQL (arrow=true)", False, _twopc(False, arrow=True)),
     Sink("twopc+r", "twopc -> PostgreSQL + Redis", True, _twopc(True)),
 ]
 SINK = {s.key: s for s in SINKS}

@@ -21,10 +21,10 @@ message of the attempt Spark chose per partition). That is exactly the shape of
 - Only ``append``: ``overwrite`` would need a delete that is part of the same decision, which
   the targets do not offer, so it is refused rather than silently appended.
 
-Rows reach the partition writer as dicts (``Row.asDict()``). An Arrow writer
-(``DataSourceArrowWriter``) is not offered yet: the targets take dict rows, and converting Arrow
-batches back to Python values would change value types (timestamps, decimals) for little gain
-while the per-row SQL insert dominates.
+Rows reach the partition writer as dicts: ``Row.asDict()``, or, with the option ``arrow=true`` on a
+batch write, ``RecordBatch.to_pylist()`` from a ``DataSourceArrowWriter`` (Spark then ships
+columnar batches to the Python worker instead of pickled rows; `bench/spark_sink.py` measures
+both).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
     DataSource,
+    DataSourceArrowWriter,
     DataSourceStreamWriter,
     DataSourceWriter,
     WriterCommitMessage,
@@ -49,6 +50,7 @@ from .partition_writer import CommitMessage, write_partition
 from .targets import parse_options
 
 if TYPE_CHECKING:
+    from pyarrow import RecordBatch  # type: ignore[import-untyped]
     from pyspark.sql import Row, SparkSession
     from pyspark.sql.types import StructType
 
@@ -120,6 +122,22 @@ class TwopcBatchWriter(DataSourceWriter):
         driver_commit.abort(self.options, _unwrap(messages), gtrid=self.gtrid)
 
 
+class TwopcArrowBatchWriter(TwopcBatchWriter, DataSourceArrowWriter):
+    """The batch write fed with Arrow record batches (option ``arrow=true``)."""
+
+    def write(self, iterator: Iterator[RecordBatch]) -> WriterCommitMessage:
+        context = _task()
+        message = write_partition(
+            self.options,
+            (row for batch in iterator for row in batch.to_pylist()),
+            partition=context.partitionId(),
+            attempt=context.attemptNumber(),
+            task_attempt_id=context.taskAttemptId(),
+            gtrid=self.gtrid,
+        )
+        return TwopcCommitMessage(message)
+
+
 class TwopcStreamWriter(DataSourceStreamWriter):
     """A micro-batch write: the gtrid comes from ``appId`` and the batch id, nothing is kept."""
 
@@ -161,6 +179,8 @@ class TwopcDataSource(DataSource):
         options = dict(self.options)
         config = parse_options(options)
         gtrid = make_gtrid(config.app_id, txn_version=config.txn_version, node=config.log.node)
+        if config.arrow:
+            return TwopcArrowBatchWriter(options, gtrid)
         return TwopcBatchWriter(options, gtrid)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:

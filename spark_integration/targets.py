@@ -9,7 +9,8 @@ target that does not exist (``kafka.url``), or an unknown key of a known target 
 
 Options (keys are case-insensitive, as Spark's are):
 
-- ``appId`` (required), ``txnVersion`` (batch writes: the idempotency key).
+- ``appId`` (required), ``txnVersion`` (batch writes: the idempotency key), ``arrow`` (``true``:
+  batch tasks get Arrow record batches instead of Spark Rows; the same values reach the targets).
 - Decision log: ``log.url`` (PostgreSQL URL of the `SqlDecisionLog`, required), ``log.node``
   (default ``spark``), ``log.table_prefix`` (``twopc_``), ``log.ledger_name``
   (``spark-ledger``), ``log.grace_seconds`` (900: how long recovery leaves an undecided branch
@@ -44,7 +45,7 @@ from .ids import DEFAULT_NODE, validate_app_id, validate_resource_label
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 _NAMESPACES = ("log", "pg", "redis", "mlog")
-_TOP = {"appid": "appId", "txnversion": "txnVersion"}
+_TOP = {"appid": "appId", "txnversion": "txnVersion", "arrow": "arrow"}
 #: keys Spark itself may pass along to a data source; accepted and ignored
 _SPARK_KEYS = {"path", "checkpointlocation", "queryname", "mode"}
 _KEYS = {
@@ -153,6 +154,8 @@ class WriteConfig:
     txn_version: str | None
     log: LogTarget
     targets: tuple[Target, ...]
+    #: batch writes take Arrow record batches instead of Rows (``arrow`` = true)
+    arrow: bool = False
 
     @property
     def resource_names(self) -> tuple[str, ...]:
@@ -203,7 +206,12 @@ def parse_options(options: Mapping[str, str]) -> WriteConfig:
     names = [t.name for t in targets] + [log.ledger_name]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"resource names must differ: {names}")
-    return WriteConfig(app_id, top.get("txnVersion") or None, log, tuple(targets))
+    arrow = top.get("arrow", "false").strip().lower()
+    if arrow not in ("true", "false"):
+        raise ConfigurationError(f"option 'arrow' must be true or false, not {arrow!r}")
+    return WriteConfig(
+        app_id, top.get("txnVersion") or None, log, tuple(targets), arrow=arrow == "true"
+    )
 
 
 def _required(opts: Mapping[str, str], ns: str, key: str) -> str:

@@ -132,6 +132,11 @@ def test_batch_write_exactly_once_into_postgres_and_redis(spark: SparkSession, e
     env.expect_exactly_once()
 
 
+def test_arrow_batches_write_the_same_rows_exactly_once(spark: SparkSession, env: Env) -> None:
+    save(items(spark), {**env.options, "arrow": "true"})
+    env.expect_exactly_once()
+
+
 def test_batch_write_exactly_once_into_postgres_redis_and_the_message_log(
     spark: SparkSession, env: Env, tmp_path: Path
 ) -> None:
