@@ -4,6 +4,7 @@ which attempts run, which message per partition reaches the driver, where the dr
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -474,3 +475,38 @@ def test_awkward_values_survive_the_copy_path_and_its_fallback(env: Env) -> None
     expected.append((100, "typed", 2.5, date(2026, 11, 21), Decimal("1.10")))
     assert [tuple(r) for r in got] == expected
     assert env.prepared() == []
+
+
+def test_twopc_recover_from_the_command_line_finishes_a_crashed_driver(
+    env: Env, tmp_path: Path
+) -> None:
+    """The operator's path: a ``twopc.toml`` naming the SQL log and the writer's resources, and
+    ``twopc recover`` rolls the dead driver's decision forward."""
+    messages = write_all(env.options, batch_id=11)
+    _decide_only(env, messages)
+    config = tmp_path / "twopc.json"
+    config.write_text(json.dumps({
+        "node_id": "spark",
+        "log_factory": "tests.integration.cli_factories:decision_log",
+        "sub_branch_grace": 900,
+        "resources": {
+            "pg": "tests.integration.cli_factories:spark_pg",
+            "redis": "tests.integration.cli_factories:spark_redis",
+            "spark-ledger": "tests.integration.cli_factories:spark_ledger",
+        },
+    }))  # fmt: skip
+    environment = {
+        **os.environ,
+        "TWOPC_CLI_TEST_LOG_URL": env.options["log.url"],
+        "TWOPC_CLI_TEST_SPARK_PG_URL": env.options["pg.url"],
+        "TWOPC_CLI_TEST_SPARK_REDIS_URL": env.options["redis.url"],
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "recover", "-c", str(config)],
+        capture_output=True, text=True, env=environment, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "committed (re-driven): 1" in done.stdout
+    env.expect_exactly_once()
+    assert pending(env, env.options) == []
