@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -77,6 +78,13 @@ class Connection:
             return
         with self._send_lock:
             self.sock.sendall(data)
+
+    def readable(self) -> bool:
+        """Is a frame's byte here already, so `recv` will not wait for the peer to start one?
+        A TLS socket may hold decrypted bytes that ``select`` on the socket cannot see."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0:
+            return True
+        return bool(select.select([self.sock], [], [], 0)[0])
 
     def recv(self, timeout: float | None = None) -> Frame | None:
         """The next frame; None when the peer closed cleanly. ``timeout`` raises `TimeoutError`

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import select
 import ssl
 import threading
 import time
@@ -164,10 +163,9 @@ def _alive(conn: Connection) -> bool:
     if conn.closed:
         return False
     try:
-        readable, _, _ = select.select([conn.sock], [], [], 0)
+        return not conn.readable()
     except (OSError, ValueError):
         return False
-    return not readable
 
 
 class _RemoteResource:

@@ -15,8 +15,6 @@ Crash points: ``xfer.cursor.after_persist`` (a batch is durable, its acknowledgm
 from __future__ import annotations
 
 import logging
-import select
-import ssl
 from collections import Counter
 
 from coordinator.crashpoints import crash_point
@@ -77,11 +75,7 @@ class TransferReceiver:
     def _arrived(self, conn: Connection) -> list[WireFrame]:
         """Frames already in the socket (or TLS) buffer, without waiting for more."""
         out: list[WireFrame] = []
-        sock = conn.sock
-        while len(out) < self.batch:
-            buffered = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
-            if not buffered and not select.select([sock], [], [], 0)[0]:
-                break
+        while len(out) < self.batch and conn.readable():
             try:
                 frame = conn.recv(timeout=0.05)
             except TimeoutError:  # a frame half here: it is kept for the next recv

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import select
 import socket
-import ssl
 import threading
 import time
 from collections import Counter
@@ -203,7 +202,7 @@ class LogTransfer:
 
     def _idle(self, conn: Connection, timeout: float) -> None:
         """Sleep until a frame arrives, the log publishes, or ``timeout`` passes."""
-        if _buffered(conn):
+        if conn.readable():
             return
         ready, _, _ = select.select([conn.sock, self._wake_r], [], [], timeout)
         if self._wake_r in ready:
@@ -214,7 +213,7 @@ class LogTransfer:
     def _take_replies(self, conn: Connection) -> None:
         """Handle every frame that has arrived, without waiting for more; a peer silent for
         three ping intervals is given up (TimeoutError)."""
-        while _buffered(conn) or select.select([conn.sock], [], [], 0)[0]:
+        while conn.readable():
             frame = conn.recv(timeout=self.ping_interval)  # a frame has begun: the rest follows
             if frame is None:
                 raise ConnectionResetError("the cursor closed the connection")
@@ -339,11 +338,6 @@ class LogTransfer:
             crash_point("xfer.log.before_compact")
             self.mlog.acknowledge(ack.stream, ack.epoch, ack.seq)
             self.stats["acknowledged"] += len(result.acknowledged)
-
-
-def _buffered(conn: Connection) -> bool:
-    """Decrypted bytes a TLS socket holds, which ``select`` on the socket cannot see."""
-    return isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending() > 0
 
 
 def _deadline(expires_at_ms: int | None) -> float | None:
