@@ -8,8 +8,9 @@ survives between Spark's calls to us but the options and the commit messages.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from coordinator import ConfigurationError, Resource
+from coordinator import ConfigurationError, Resource, Xid
 from messaging.auth import SharedSecret
 from messaging.remote.client import RemoteMessageLog
 from resource_managers.postgres import PostgresResource
@@ -27,6 +28,8 @@ from resource_managers.redis import RedisResource
 
 from .ledger import Ledger
 from .targets import MessageLogTarget, PostgresTarget, RedisTarget, Target, WriteConfig
+
+_log = logging.getLogger("twopc.spark")
 
 
 @dataclass
@@ -125,3 +128,35 @@ def open_targets(config: WriteConfig) -> Iterator[Opened]:
         opened = Opened(config, resources, log_engine, ledger, ledger_resource)
         stack.enter_context(opened._stack)
         yield opened
+
+
+def rollback_quietly(resource: Resource, xid: Xid) -> bool:
+    """Roll a branch back; one that cannot be reached now is left to recovery (False)."""
+    try:
+        resource.rollback(xid)
+    except Exception as exc:
+        _log.warning("rollback of %s failed, recovery will retry: %r", xid, exc)
+        return False
+    return True
+
+
+def rollback_prepared(
+    resources: Iterable[Resource], select: Callable[[Xid], bool]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Roll back every prepared branch ``select`` picks from each resource's ``recover()``: the
+    driver's sweep of a gtrid and an executor's retirement of its partition's other attempts.
+    Returns the gids rolled back and what failed (gids, and ``<resource>:recover`` for a resource
+    that could not be listed)."""
+    rolled: list[str] = []
+    failed: list[str] = []
+    for resource in resources:
+        try:
+            prepared = resource.recover()
+        except Exception as exc:
+            _log.warning("cannot list %s's prepared branches: %r", resource.name, exc)
+            failed.append(f"{resource.name}:recover")
+            continue
+        for xid in prepared:
+            if select(xid):
+                (rolled if rollback_quietly(resource, xid) else failed).append(xid.to_gid())
+    return tuple(rolled), tuple(failed)

@@ -49,7 +49,7 @@ from coordinator.decision_log import DecisionLog
 from coordinator.protocol import BranchResult, branch_result
 from coordinator.xid import resource_of
 
-from .connect import Opened, open_targets
+from .connect import Opened, open_targets, rollback_prepared, rollback_quietly
 from .ids import driver_xid
 from .ledger import Committed, committed
 from .partition_writer import CommitMessage, resolve_gtrid
@@ -106,7 +106,7 @@ def commit(
             # FencedError and durable=False: certainly not written, so the ledger branch goes;
             # durable=None: it may be written, so only recovery may decide its fate
             if not isinstance(exc, LogWriteError) or exc.durable is False:
-                _rollback_quietly(opened.ledger_resource, ledger_xid)
+                rollback_quietly(opened.ledger_resource, ledger_xid)
             raise
         crash_point("spark.driver_after_commit")
         return _finish(opened, decision_log, Committed(gtrid, branches, True), replay=False)
@@ -127,7 +127,7 @@ def abort(
         if decided is not None:
             log.warning("abort of %s, which is committed: rolling forward", gtrid)
             return _finish(opened, decision_log, decided, replay=True)
-        rolled, failed = _rollback_others(opened, gtrid, keep=frozenset())
+        rolled, failed = rollback_prepared(opened.all_resources(), lambda x: x.gtrid == gtrid)
         return CommitReport(gtrid, "rolled-back", False, (), rolled, failed)
 
 
@@ -171,7 +171,7 @@ def _prepare_ledger(opened: Opened, xid: Xid, branches: tuple[str, ...]) -> None
         opened.ledger.record(session, xid.gtrid, branches)
         opened.ledger_resource.prepare(xid)
     except BaseException:
-        _rollback_quietly(opened.ledger_resource, xid)
+        rollback_quietly(opened.ledger_resource, xid)
         raise
 
 
@@ -204,7 +204,10 @@ def _finish(
                 decision_log.log_end(decided.gtrid)
             except Exception as exc:  # a lost END costs recovery one idempotent re-commit
                 log.warning("END of %s not written: %r", decided.gtrid, exc)
-    rolled, failed = _rollback_others(opened, decided.gtrid, keep=frozenset(decided.branches))
+    keep = frozenset(decided.branches)
+    rolled, failed = rollback_prepared(
+        opened.all_resources(), lambda x: x.gtrid == decided.gtrid and x.bqual not in keep
+    )
     return CommitReport(
         decided.gtrid, "committed", replay, tuple(done), rolled, (*pending, *failed)
     )
@@ -229,35 +232,3 @@ def _commit(resource: Resource, xid: Xid, decision_log: DecisionLog) -> bool:
                 log.critical("heuristic of %s NOT recorded: %r", xid, exc)
         return True
     return False
-
-
-def _rollback_others(
-    opened: Opened, gtrid: str, keep: frozenset[str]
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Roll back every prepared branch under ``gtrid`` not in ``keep``, in every resource."""
-    rolled: list[str] = []
-    failed: list[str] = []
-    for resource in opened.all_resources():
-        try:
-            prepared = resource.recover()
-        except Exception as exc:
-            log.warning("cannot list %s's prepared branches: %r", resource.name, exc)
-            failed.append(f"{resource.name}:recover")
-            continue
-        for xid in prepared:
-            if xid.gtrid != gtrid or xid.bqual in keep:
-                continue
-            if _rollback_quietly(resource, xid):
-                rolled.append(xid.to_gid())
-            else:
-                failed.append(xid.to_gid())
-    return tuple(rolled), tuple(failed)
-
-
-def _rollback_quietly(resource: Resource, xid: Xid) -> bool:
-    try:
-        resource.rollback(xid)
-    except Exception as exc:
-        log.warning("rollback of %s failed, recovery will retry: %r", xid, exc)
-        return False
-    return True

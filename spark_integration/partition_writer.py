@@ -36,7 +36,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from coordinator import ConfigurationError, Vote, Xid
 
-from .connect import Opened, open_targets
+from .connect import Opened, open_targets, rollback_prepared, rollback_quietly
 from .ids import branch_xid, make_gtrid, parse_branch
 from .ledger import committed
 from .targets import (
@@ -173,28 +173,19 @@ def _retire_other_attempts(opened: Opened, gtrid: str, partition: int) -> None:
     or a zombie task of an older stage attempt. Then that copy fails, or, if Spark picks it
     anyway, the driver refuses to commit (`driver_commit` checks every winner is still prepared)
     and the job fails. Nothing is ever written twice."""
-    for resource in opened.resources.values():
-        try:
-            prepared = resource.recover()
-        except Exception as exc:  # the writes below will meet the locks and say so
-            log.warning("cannot list %s's prepared branches: %r", resource.name, exc)
-            continue
-        for xid in prepared:
-            info = parse_branch(xid.bqual) if xid.gtrid == gtrid else None
-            if info is not None and info.partition == partition:
-                log.info("retiring %s, another attempt of partition %d", xid, partition)
-                try:
-                    resource.rollback(xid)
-                except Exception as exc:
-                    log.warning("rollback of %s failed, recovery will retry: %r", xid, exc)
+
+    def other_attempt(xid: Xid) -> bool:
+        info = parse_branch(xid.bqual) if xid.gtrid == gtrid else None
+        return info is not None and info.partition == partition
+
+    retired, _ = rollback_prepared(opened.resources.values(), other_attempt)
+    for gid in retired:
+        log.info("retired %s, another attempt of partition %d", gid, partition)
 
 
 def _rollback(opened: Opened, xids: Mapping[str, Xid], started: list[str]) -> None:
     for name in started:
-        try:
-            opened.resources[name].rollback(xids[name])
-        except Exception as exc:  # a branch we cannot reach now is left to recovery
-            log.warning("rollback of %s failed, recovery will retry: %r", xids[name], exc)
+        rollback_quietly(opened.resources[name], xids[name])
 
 
 def _chunks(rows: Iterable[Mapping[str, Any]]) -> Iterator[list[Mapping[str, Any]]]:
