@@ -30,16 +30,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import redis
-import sqlalchemy as sa
 from sqlalchemy import text
 
-from tests.support.pg import prepared_gids
+from tests.support.spark_stores import SparkStores, spark_stores
 
 if importlib.util.find_spec("pyspark") is None or not (
     os.environ.get("JAVA_HOME") or shutil.which("java")
@@ -61,26 +57,7 @@ LEASE_SECONDS = "3"
 CHILD_TIMEOUT = 150.0
 
 
-@dataclass
-class Stores:
-    data: sa.Engine
-    log: sa.Engine
-    redis: Any  # redis.Redis, bytes in and out
-    options: dict[str, str]
-
-    def rows(self) -> list[tuple[int, str]]:
-        with self.data.connect() as conn:
-            query = "SELECT id, name FROM items ORDER BY id, name"
-            return [(int(r[0]), str(r[1])) for r in conn.execute(text(query))]
-
-    def redis_items(self) -> dict[str, str]:
-        keys = [k.decode() for k in self.redis.keys("item:*")]
-        return {k: self.redis.get(k).decode() for k in keys}
-
-    def prepared(self) -> list[str]:
-        redis_prepared = self.redis.zrange("twopc:{twopc}:prepared", 0, -1)
-        return prepared_gids(self.data) + prepared_gids(self.log) + list(map(str, redis_prepared))
-
+class Stores(SparkStores):
     def pending_decisions(self) -> int:
         with self.log.connect() as conn:
             query = "SELECT count(*) FROM twopc_decision"
@@ -95,32 +72,9 @@ class Stores:
 
 @pytest.fixture
 def stores(make_pg_database: Callable[[], str], redis_url: str) -> Iterator[Stores]:
-    data_url, log_url = make_pg_database(), make_pg_database()
-    data = sa.create_engine(data_url)
-    with data.begin() as conn:
-        conn.execute(text("CREATE TABLE items (id int NOT NULL, name text NOT NULL)"))
-    log = sa.create_engine(log_url)
-    client = redis.Redis.from_url(redis_url)
-    options = {
-        "appId": "crashes",
-        "log.url": log_url,
-        "log.acquire_timeout": "60",
-        "log.lease_seconds": LEASE_SECONDS,
-        "pg.url": data_url,
-        "pg.table": "items",
-        "redis.url": redis_url,
-        "redis.op": "set",
-        "redis.key": "item:{id}",
-        "redis.value": "{name}",
-    }
-    yield Stores(data, log, client, options)
-    for engine in (data, log):  # never leave a prepared transaction behind: DROP would hang
-        with engine.connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
-            for gid in prepared_gids(engine):
-                conn.exec_driver_sql("ROLLBACK PREPARED %s", (gid,))
-        engine.dispose()
-    client.close()
+    log = {"appId": "crashes", "log.acquire_timeout": "60", "log.lease_seconds": LEASE_SECONDS}
+    with spark_stores(Stores, make_pg_database, redis_url, **log) as s:
+        yield s
 
 
 class Child:

@@ -12,20 +12,17 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import redis
-import sqlalchemy as sa
 from sqlalchemy import text
 
 from messaging.auth import SharedSecret
 from messaging.connection import Listener
 from messaging.remote import PRODUCER_ROLE, ProducerService
 from resource_managers.message_log import MessageLog
-from tests.support.pg import prepared_gids
+from tests.support.spark_stores import SparkStores, spark_stores
 
 if importlib.util.find_spec("pyspark") is None:  # under CI a missing pyspark must not pass
     if os.environ.get("CI", "").lower() == "true":
@@ -56,30 +53,10 @@ N = 1000
 PARTS = 4
 
 
-@dataclass
-class Env:
-    data: sa.Engine
-    log: sa.Engine
-    redis: Any  # redis.Redis, bytes in and out
-    options: dict[str, str]  # PostgreSQL + Redis
-    pg_only: dict[str, str]
-
+class Env(SparkStores):
     def ids(self, table: str = "items") -> list[int]:
         with self.data.connect() as conn:
             return [int(i) for i in conn.execute(text(f"SELECT id FROM {table} ORDER BY id"))]
-
-    def rows(self) -> list[tuple[int, str]]:
-        with self.data.connect() as conn:
-            query = "SELECT id, name FROM items ORDER BY id, name"
-            return [(int(r[0]), str(r[1])) for r in conn.execute(text(query))]
-
-    def redis_items(self) -> dict[str, str]:
-        keys = [k.decode() for k in self.redis.keys("item:*")]
-        return {k: self.redis.get(k).decode() for k in keys}
-
-    def prepared(self) -> list[str]:
-        redis_prepared = self.redis.zrange("twopc:{twopc}:prepared", 0, -1)
-        return prepared_gids(self.data) + prepared_gids(self.log) + list(map(str, redis_prepared))
 
     def expect_exactly_once(self, n: int = N, redis_too: bool = True) -> None:
         assert self.rows() == [(i, f"n{i}") for i in range(n)]
@@ -90,27 +67,8 @@ class Env:
 
 @pytest.fixture
 def env(make_pg_database: Callable[[], str], redis_url: str) -> Iterator[Env]:
-    data_url, log_url = make_pg_database(), make_pg_database()
-    data = sa.create_engine(data_url)
-    with data.begin() as conn:
-        conn.execute(text("CREATE TABLE items (id int NOT NULL, name text NOT NULL)"))
-        conn.execute(
-            text("CREATE TABLE strict_items (id int PRIMARY KEY, qty int CHECK (qty >= 0))")
-        )
-    log = sa.create_engine(log_url)
-    client = redis.Redis.from_url(redis_url)
-    common = {"appId": "orders", "log.url": log_url, "log.acquire_timeout": "20"}
-    pg = {"pg.url": data_url, "pg.table": "items"}
-    rd = {"redis.url": redis_url, "redis.op": "set", "redis.key": "item:{id}"}
-    rd["redis.value"] = "{name}"
-    yield Env(data, log, client, {**common, **pg, **rd}, {**common, **pg})
-    for engine in (data, log):  # never leave a prepared transaction behind: DROP would hang
-        with engine.connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
-            for gid in prepared_gids(engine):
-                conn.exec_driver_sql("ROLLBACK PREPARED %s", (gid,))
-        engine.dispose()
-    client.close()
+    with spark_stores(Env, make_pg_database, redis_url, **{"log.acquire_timeout": "20"}) as e:
+        yield e
 
 
 def items(spark: SparkSession, n: int = N, parts: int = PARTS) -> DataFrame:

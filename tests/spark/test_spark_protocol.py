@@ -12,14 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import sqlalchemy as sa
 from sqlalchemy import text
 
@@ -41,7 +39,7 @@ from spark_integration import (
 )
 from spark_integration.ids import branch_xid, gid_length, parse_branch
 from spark_integration.ledger import Ledger
-from tests.support.pg import prepared_gids
+from tests.support.spark_stores import SparkStores, spark_stores
 
 ROWS = [{"id": i, "name": f"n{i}"} for i in range(30)]
 
@@ -50,27 +48,7 @@ def split(rows: list[dict[str, Any]], parts: int = 3) -> list[list[dict[str, Any
     return [rows[i::parts] for i in range(parts)]
 
 
-@dataclass
-class Env:
-    data: sa.Engine
-    log: sa.Engine
-    redis: Any  # redis.Redis, bytes in and out
-    options: dict[str, str]  # PostgreSQL + Redis
-    pg_only: dict[str, str]
-
-    def rows(self, table: str = "items") -> list[tuple[int, str]]:
-        with self.data.connect() as conn:
-            query = f"SELECT id, name FROM {table} ORDER BY id, name"
-            return [(int(r[0]), str(r[1])) for r in conn.execute(text(query))]
-
-    def redis_items(self) -> dict[str, str]:
-        keys = [k.decode() for k in self.redis.keys("item:*")]
-        return {k: self.redis.get(k).decode() for k in keys}
-
-    def prepared(self) -> list[str]:
-        redis_prepared = self.redis.zrange("twopc:{twopc}:prepared", 0, -1)
-        return prepared_gids(self.data) + prepared_gids(self.log) + list(map(str, redis_prepared))
-
+class Env(SparkStores):
     def expect_exactly_once(
         self, rows: list[dict[str, Any]] = ROWS, redis_too: bool = True
     ) -> None:
@@ -82,28 +60,10 @@ class Env:
 
 @pytest.fixture
 def env(make_pg_database: Callable[[], str], redis_url: str) -> Iterator[Env]:
-    data_url, log_url = make_pg_database(), make_pg_database()
-    data = sa.create_engine(data_url)
-    with data.begin() as conn:
-        conn.execute(text("CREATE TABLE items (id int NOT NULL, name text NOT NULL)"))
-        conn.execute(
-            text("CREATE TABLE strict_items (id int PRIMARY KEY, qty int CHECK (qty >= 0))")
-        )
-    log = sa.create_engine(log_url)
-    client = redis.Redis.from_url(redis_url)
-    common = {"appId": "orders", "log.url": log_url, "log.acquire_timeout": "10"}
-    common["log.lease_seconds"] = "2"  # a killed driver's lease blocks the next one this long
-    pg = {"pg.url": data_url, "pg.table": "items"}
-    rd = {"redis.url": redis_url, "redis.op": "set", "redis.key": "item:{id}"}
-    rd["redis.value"] = "{name}"
-    yield Env(data, log, client, {**common, **pg, **rd}, {**common, **pg})
-    for engine in (data, log):  # never leave a prepared transaction behind: DROP would hang
-        with engine.connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
-            for gid in prepared_gids(engine):
-                conn.exec_driver_sql("ROLLBACK PREPARED %s", (gid,))
-        engine.dispose()
-    client.close()
+    # log.lease_seconds: a killed driver's lease blocks the next one this long
+    log = {"log.acquire_timeout": "10", "log.lease_seconds": "2"}
+    with spark_stores(Env, make_pg_database, redis_url, **log) as e:
+        yield e
 
 
 def write_all(
