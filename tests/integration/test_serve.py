@@ -6,7 +6,6 @@ a server without a secret refuses to start with a clear message."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from messaging.remote import RemoteCursor, RemoteMessageLog
 from resource_managers.cursor import Cursor
 from resource_managers.message_log import MessageLog
 from tests.support.msg_cluster import free_port
+from tests.support.tls import make_certificate
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE = "import sys; from coordinator.cli import main; sys.exit(main())"
@@ -30,22 +30,7 @@ SECRET = "serve test secret, at least 16 bytes"
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsConfig:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        message = "the openssl command is not installed: cannot make a test certificate"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return TlsConfig(certfile=str(cert), keyfile=str(key), cafile=str(cert))
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import pickle
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +55,7 @@ from messaging.frames import (
     encode,
     send_frame,
 )
+from tests.support.tls import make_certificate
 
 SECRET = SharedSecret(b"correct horse battery staple")
 OTHER = SharedSecret(b"a different secret, 32 bytes ..")
@@ -448,22 +446,7 @@ def test_a_bad_frame_closes_only_its_own_connection() -> None:
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> TlsConfig:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        message = "the openssl command is not installed: cannot make a test certificate"
-        if os.environ.get("CI", "").lower() == "true":  # CI must not go green by skipping
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return TlsConfig(certfile=str(cert), keyfile=str(key), cafile=str(cert))
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls_carries_the_handshake_and_frames(certificate: TlsConfig) -> None:
