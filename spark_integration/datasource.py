@@ -84,7 +84,9 @@ def _rows(iterator: Iterator[Row]) -> Iterator[dict[str, Any]]:
     return (row.asDict() for row in iterator)
 
 
-def _unwrap(messages: list[WriterCommitMessage | None]) -> list[CommitMessage | None]:
+def unwrap(messages: list[WriterCommitMessage | None]) -> list[CommitMessage | None]:
+    """Spark's commit messages back to ours; a None slot (a partition Spark has no message
+    for) stays None, in place."""
     unwrapped: list[CommitMessage | None] = []
     for message in messages:
         if message is None:
@@ -116,10 +118,10 @@ class TwopcBatchWriter(DataSourceWriter):
         return TwopcCommitMessage(message)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        driver_commit.commit(self.options, _unwrap(messages), gtrid=self.gtrid)
+        driver_commit.commit(self.options, unwrap(messages), gtrid=self.gtrid)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        driver_commit.abort(self.options, _unwrap(messages), gtrid=self.gtrid)
+        driver_commit.abort(self.options, unwrap(messages), gtrid=self.gtrid)
 
 
 class TwopcArrowBatchWriter(TwopcBatchWriter, DataSourceArrowWriter):
@@ -160,10 +162,10 @@ class TwopcStreamWriter(DataSourceStreamWriter):
         return TwopcCommitMessage(message)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        driver_commit.commit(self.options, _unwrap(messages), batch_id=batchId)
+        driver_commit.commit(self.options, unwrap(messages), batch_id=batchId)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        driver_commit.abort(self.options, _unwrap(messages), batch_id=batchId)
+        driver_commit.abort(self.options, unwrap(messages), batch_id=batchId)
 
 
 class TwopcDataSource(DataSource):

@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from . import driver_commit
-from .datasource import TwopcDataSource, TwopcStreamWriter, _unwrap
+from .datasource import TwopcDataSource, TwopcStreamWriter, unwrap
 
 if TYPE_CHECKING:
     from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
@@ -34,14 +34,15 @@ class ReportingStreamWriter(TwopcStreamWriter):
     """`TwopcStreamWriter`, telling what each batch's tasks did and what its commit did."""
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        unwrapped = [m for m in _unwrap(messages) if m is not None]
+        all_messages = unwrap(messages)
+        unwrapped = [m for m in all_messages if m is not None]
         _tell(
             batch=batchId,
             tasks=sum(1 for m in unwrapped if not m.skipped),
             skipped=sum(1 for m in unwrapped if m.skipped),
             rows=sum(m.rows for m in unwrapped if not m.skipped),
         )
-        report = driver_commit.commit(self.options, _unwrap(messages), batch_id=batchId)
+        report = driver_commit.commit(self.options, all_messages, batch_id=batchId)
         _tell(
             batch=batchId,
             replay=report.replay,
