@@ -52,9 +52,9 @@ from messaging.frames import FrameType, Value, XaReply, XaRequest
 from resource_managers.cursor import Delivery
 from resource_managers.message_log import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    BranchDoomed,
     InvalidMessageError,
-    Message,
-    new_message,
+    StagingBranch,
     validate_destination,
 )
 
@@ -352,40 +352,20 @@ def _now_ms() -> int:
 # -- the producer ------------------------------------------------------------------------------
 
 
-class RemoteProducerBranch:
-    """One transaction's messages for a remote log, staged here until prepare. Not thread-safe
-    (one transaction)."""
+class RemoteProducerBranch(StagingBranch):
+    """One transaction's messages for a remote log, staged here until prepare; the server checks
+    the destination's limit (`DestinationFullError`) at prepare."""
 
     def __init__(self, resource: RemoteMessageLog, xid: Xid) -> None:
-        self._resource = resource
-        self.xid = xid
-        self.messages: list[Message] = []
-        self.closed = False
+        super().__init__(xid)
+        self.name = resource.name
+        self._limit = resource.max_message_bytes
 
-    def send(
-        self,
-        destination: str,
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        persistent: bool = True,
-        ttl: float | None = None,
-    ) -> str:
-        """Stage a message; return its id. `InvalidMessageError` as `ProducerBranch.send`; the
-        destination's limit (`DestinationFullError`) is checked by the server at prepare."""
-        if self.closed:
-            raise IllegalStateError(f"{self._resource.name}: send after the branch ended")
-        message = new_message(
-            destination, body=body, headers=headers, persistent=persistent, ttl=ttl,
-            now_ms=_now_ms(),
-        )  # fmt: skip
-        limit = self._resource.max_message_bytes
-        if message.size > limit:
-            raise InvalidMessageError(
-                f"message of {message.size} bytes (body and headers) exceeds the limit of "
-                f"{limit}; nothing was staged"
-            )
-        self.messages.append(message)
-        return message.message_id
+    def _now_ms(self) -> int:
+        return _now_ms()
+
+    def _max_bytes(self) -> int:
+        return self._limit
 
 
 class RemoteMessageLog(_RemoteResource):
@@ -437,6 +417,8 @@ class RemoteMessageLog(_RemoteResource):
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._take(xid)
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {xid}: {branch.doomed}")
         if not branch.messages:
             return Vote.READ_ONLY
         args: dict[str, Value] = {"messages": [message_to_value(m) for m in branch.messages]}
@@ -454,6 +436,8 @@ class RemoteMessageLog(_RemoteResource):
                     raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
             return self._commit_prepared(self._check(xid))
         branch = self._take(xid)
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {xid}: {branch.doomed}")
         if not branch.messages:
             return None
         args: dict[str, Value] = {

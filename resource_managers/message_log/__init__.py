@@ -13,17 +13,31 @@ from ._log import (
     MessageLogStats,
 )
 from ._records import (
+    ADMIN_QUEUE_HEADER,
+    DEFAULT_PRIORITY,
+    LIST_HEADER,
+    PRIORITY_HEADER,
+    PUBLISHER_HEADER,
+    TRANSACTIONAL_HEADER,
     VOLATILE_SUFFIX,
     InvalidMessageError,
     Message,
     new_message,
+    outgoing,
     validate_destination,
 )
-from .resource import MessageLogResource, ProducerBranch
+from .resource import BranchDoomed, MessageLogResource, ProducerBranch, StagingBranch
 
 __all__ = [
+    "ADMIN_QUEUE_HEADER",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_PRIORITY",
+    "LIST_HEADER",
+    "PRIORITY_HEADER",
+    "PUBLISHER_HEADER",
+    "TRANSACTIONAL_HEADER",
     "VOLATILE_SUFFIX",
+    "BranchDoomed",
     "BranchRolledBack",
     "DestinationFullError",
     "InvalidMessageError",
@@ -32,6 +46,8 @@ __all__ = [
     "MessageLogResource",
     "MessageLogStats",
     "ProducerBranch",
+    "StagingBranch",
     "new_message",
+    "outgoing",
     "validate_destination",
 ]

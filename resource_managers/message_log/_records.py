@@ -26,7 +26,7 @@ import binascii
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,18 @@ _DESTINATION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}\Z")
 VOLATILE_SUFFIX = "#np"
 MAX_HEADERS = 64
 MAX_HEADER_CHARS = 4096
+
+# Reserved headers: the JMS message properties that are not the body (priority, the MSMQ
+# administration queue, whether it was sent in a transaction, the publisher whose order the
+# dispatcher keeps, the distribution list a copy belongs to). They travel as headers so the log's
+# records, the transfer frames and the remote protocol carry them unchanged; `new_message` checks
+# their values wherever a message enters.
+PRIORITY_HEADER = "twopc-priority"
+ADMIN_QUEUE_HEADER = "twopc-admin-queue"
+TRANSACTIONAL_HEADER = "twopc-transactional"
+PUBLISHER_HEADER = "twopc-publisher"
+LIST_HEADER = "twopc-list"
+DEFAULT_PRIORITY = 4  # JMS's default; 0 (lowest) to 9 (highest)
 
 
 class InvalidMessageError(ProgrammingError, ValueError):
@@ -69,7 +81,22 @@ def _validate_headers(headers: object) -> dict[str, str]:
             raise InvalidMessageError(
                 f"header {key!r} is longer than {MAX_HEADER_CHARS} characters"
             )
+    _check_reserved(headers)
     return dict(headers)
+
+
+def _check_reserved(headers: Mapping[str, str]) -> None:
+    priority = headers.get(PRIORITY_HEADER)
+    if priority is not None and (len(priority) != 1 or priority not in "0123456789"):
+        raise InvalidMessageError(f"priority must be 0-9, not {priority[:20]!r}")
+    admin = headers.get(ADMIN_QUEUE_HEADER)
+    if admin is not None:
+        validate_destination(admin)
+    if headers.get(TRANSACTIONAL_HEADER, "1") not in ("0", "1"):
+        raise InvalidMessageError(f"header {TRANSACTIONAL_HEADER!r} must be '0' or '1'")
+    for key in (PUBLISHER_HEADER, LIST_HEADER):
+        if key in headers and not 0 < len(headers[key]) <= 200:
+            raise InvalidMessageError(f"header {key!r} must be 1-200 characters")
 
 
 @dataclass(frozen=True)
@@ -93,6 +120,25 @@ class Message:
     @property
     def stream(self) -> str:
         return self.destination if self.persistent else self.destination + VOLATILE_SUFFIX
+
+    @property
+    def priority(self) -> int:
+        return int(self.headers.get(PRIORITY_HEADER, DEFAULT_PRIORITY))
+
+    @property
+    def admin_queue(self) -> str | None:
+        """Where a negative acknowledgment goes if a destination rejects the message (seed 004)."""
+        return self.headers.get(ADMIN_QUEUE_HEADER)
+
+    @property
+    def transactional(self) -> bool:
+        """Sent inside a transaction (the default): a non-transactional queue rejects it."""
+        return self.headers.get(TRANSACTIONAL_HEADER, "1") == "1"
+
+    @property
+    def publisher(self) -> str:
+        """Whose order topic dispatch keeps: the publisher header, else the destination."""
+        return self.headers.get(PUBLISHER_HEADER) or self.destination
 
 
 def new_message(
@@ -120,6 +166,55 @@ def new_message(
         bool(persistent),
         expires_at,
     )
+
+
+def outgoing(
+    destinations: Sequence[object],
+    *,
+    body: object,
+    headers: Mapping[str, str] | None,
+    persistent: bool,
+    ttl: float | None,
+    priority: int | None,
+    admin_queue: str | None,
+    transactional: bool,
+    publisher: str | None,
+    now_ms: int,
+    max_bytes: int,
+) -> list[Message]:
+    """The messages one send stages: one per destination, each checked (`InvalidMessageError`
+    for the first refusal, so a producer stages all or nothing). More than one destination is a
+    distribution list (seed 004): every copy carries the list's id in `LIST_HEADER`, and its own
+    message id, since each destination consumes and acknowledges its copy on its own."""
+    if isinstance(destinations, str) or not destinations:
+        raise InvalidMessageError("a send needs one destination or a non-empty list of them")
+    if len(set(destinations)) != len(destinations):
+        raise InvalidMessageError("a distribution list names a destination twice")
+    merged = dict(headers or {})
+    if priority is not None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+            raise InvalidMessageError(f"priority must be an int from 0 to 9, not {priority!r}")
+        merged[PRIORITY_HEADER] = str(priority)
+    if admin_queue is not None:
+        merged[ADMIN_QUEUE_HEADER] = admin_queue
+    if not transactional:
+        merged[TRANSACTIONAL_HEADER] = "0"
+    if publisher is not None:
+        merged[PUBLISHER_HEADER] = publisher
+    if len(destinations) > 1:
+        merged[LIST_HEADER] = uuid.uuid4().hex
+    out = []
+    for destination in destinations:
+        message = new_message(
+            destination, body=body, headers=merged, persistent=persistent, ttl=ttl, now_ms=now_ms
+        )
+        if message.size > max_bytes:
+            raise InvalidMessageError(
+                f"message of {message.size} bytes (body and headers) exceeds the limit of "
+                f"{max_bytes}; nothing was staged"
+            )
+        out.append(message)
+    return out
 
 
 # -- records -----------------------------------------------------------------------------------

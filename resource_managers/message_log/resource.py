@@ -30,24 +30,50 @@ from coordinator import (
     InvalidXidError,
     Outcome,
     ProgrammingError,
+    TransactionRolledBack,
     Vote,
     Xid,
 )
 from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
 
-from ._log import BranchRolledBack, MessageLog
-from ._records import InvalidMessageError, Message, new_message
+from ._log import BranchRolledBack, DestinationFullError, MessageLog
+from ._records import InvalidMessageError, Message, outgoing
 
 
-class ProducerBranch:
-    """One transaction's messages, staged until prepare. Not thread-safe (one transaction)."""
+class BranchDoomed(TransactionRolledBack):
+    """A distribution-list send of this branch was refused: the whole transaction rolls back."""
 
-    def __init__(self, resource: MessageLogResource, xid: Xid) -> None:
-        self._resource = resource
+    code = "mlog-list-refused"
+    reason = "vote"
+
+
+class StagingBranch:
+    """What a producer branch does before prepare, local (`ProducerBranch`) or remote
+    (`messaging.remote.RemoteProducerBranch`): check and stage messages. Not thread-safe (one
+    transaction).
+
+    A send that is refused raises at once and stages nothing. A refused distribution-list send
+    also *dooms* the branch: seed 004 says a failure to send to any destination of the list aborts
+    the whole transaction, so prepare then votes no even if the application caught the error."""
+
+    name: str
+
+    def __init__(self, xid: Xid) -> None:
         self.xid = xid
         self.messages: list[Message] = []
         self.closed = False
+        self.doomed: str | None = None
+
+    def _now_ms(self) -> int:
+        raise NotImplementedError
+
+    def _max_bytes(self) -> int:
+        raise NotImplementedError
+
+    def _check_room(self, destination: str, count: int) -> None:
+        """Raise `DestinationFullError` if ``count`` more messages would not fit (a remote log
+        checks at prepare instead)."""
 
     def send(
         self,
@@ -56,26 +82,93 @@ class ProducerBranch:
         headers: dict[str, str] | None = None,
         persistent: bool = True,
         ttl: float | None = None,
+        *,
+        priority: int | None = None,
+        admin_queue: str | None = None,
+        transactional: bool = True,
+        publisher: str | None = None,
     ) -> str:
         """Stage a message; return its id. Refusals stage nothing: `InvalidMessageError` (bad
-        destination, headers, body, or larger than the log's ``max_message_bytes``),
-        `DestinationFullError` (a `TransientError`: the destination is at its limit)."""
+        destination, headers, body, priority, or larger than the log's ``max_message_bytes``),
+        `DestinationFullError` (a `TransientError`: the destination is at its limit).
+        ``priority`` 0-9 (default 4: JMS's), ``admin_queue`` receives a negative
+        acknowledgment if a destination rejects the message, ``transactional=False`` marks a
+        message a non-transactional queue accepts, ``publisher`` names whose order topic
+        dispatch keeps."""
+        return self._stage(
+            [destination], body, headers=headers, persistent=persistent, ttl=ttl,
+            priority=priority, admin_queue=admin_queue, transactional=transactional,
+            publisher=publisher,
+        )[0]  # fmt: skip
+
+    def send_to_list(
+        self,
+        destinations: list[str],
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        persistent: bool = True,
+        ttl: float | None = None,
+        *,
+        priority: int | None = None,
+        admin_queue: str | None = None,
+        publisher: str | None = None,
+    ) -> list[str]:
+        """Stage one copy of the message per destination (a distribution list, seed 004); return
+        their ids. All copies commit or none: a refused copy stages nothing and dooms the
+        branch, so the transaction rolls back."""
+        try:
+            return self._stage(
+                destinations, body, headers=headers, persistent=persistent, ttl=ttl,
+                priority=priority, admin_queue=admin_queue, transactional=True,
+                publisher=publisher,
+            )  # fmt: skip
+        except (InvalidMessageError, DestinationFullError) as exc:
+            self.doomed = f"distribution-list send refused: {exc}"
+            raise
+
+    def _stage(
+        self,
+        destinations: list[str],
+        body: bytes,
+        *,
+        headers: dict[str, str] | None,
+        persistent: bool,
+        ttl: float | None,
+        priority: int | None,
+        admin_queue: str | None,
+        transactional: bool,
+        publisher: str | None,
+    ) -> list[str]:
         if self.closed:
-            raise IllegalStateError(f"{self._resource.name}: send after the branch ended")
-        log = self._resource.log
-        message = new_message(
-            destination, body=body, headers=headers, persistent=persistent, ttl=ttl,
-            now_ms=log.clock(),
+            raise IllegalStateError(f"{self.name}: send after the branch ended")
+        messages = outgoing(
+            destinations, body=body, headers=headers, persistent=persistent, ttl=ttl,
+            priority=priority, admin_queue=admin_queue, transactional=transactional,
+            publisher=publisher, now_ms=self._now_ms(), max_bytes=self._max_bytes(),
         )  # fmt: skip
-        if message.size > log.max_message_bytes:
-            raise InvalidMessageError(
-                f"message of {message.size} bytes (body and headers) exceeds the limit of "
-                f"{log.max_message_bytes}; nothing was staged"
-            )
-        staged = sum(1 for m in self.messages if m.destination == message.destination)
-        log.check_room(message.destination, staged + 1)
-        self.messages.append(message)
-        return message.message_id
+        for message in messages:
+            staged = sum(1 for m in self.messages if m.destination == message.destination)
+            self._check_room(message.destination, staged + 1)
+        self.messages += messages
+        return [m.message_id for m in messages]
+
+
+class ProducerBranch(StagingBranch):
+    """One transaction's messages for a local `MessageLog`, staged until prepare."""
+
+    def __init__(self, resource: MessageLogResource, xid: Xid) -> None:
+        super().__init__(xid)
+        self.name = resource.name
+        self._log = resource.log
+
+    def _now_ms(self) -> int:
+        return self._log.clock()
+
+    def _max_bytes(self) -> int:
+        return self._log.max_message_bytes
+
+    def _check_room(self, destination: str, count: int) -> None:
+        self._log.check_room(destination, count)
 
 
 class MessageLogResource:
@@ -113,6 +206,8 @@ class MessageLogResource:
         gid = xid.to_gid()
         if self.log.is_tombstoned(gid):
             raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone); no prepare")
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
         if not branch.messages:
             return Vote.READ_ONLY
         self.log.prepare(gid, branch.messages)
@@ -125,6 +220,8 @@ class MessageLogResource:
             branch = self._take(xid)
             if self.log.is_tombstoned(gid):
                 raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone)")
+            if branch.doomed is not None:
+                raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
             if branch.messages:
                 self.log.commit(gid, branch.messages)
             return None
