@@ -14,15 +14,35 @@ from ._cursor import (
     Delivery,
 )
 from ._records import DLQ_SUFFIX
+from ._state import NACK_HEADER
+from ._topics import (
+    TOPIC_PREFIX,
+    Subscription,
+    TopicPublication,
+    is_subscription_queue,
+    is_topic,
+    subscription_name,
+    subscription_queue,
+    validate_topic,
+)
 from .resource import ConsumerBranch, CursorResource
 
 __all__ = [
     "DEFAULT_MAX_DELIVERIES",
     "DLQ_SUFFIX",
+    "NACK_HEADER",
+    "TOPIC_PREFIX",
     "BranchRolledBack",
     "ConsumerBranch",
     "Cursor",
     "CursorResource",
     "CursorStats",
     "Delivery",
+    "Subscription",
+    "TopicPublication",
+    "is_subscription_queue",
+    "is_topic",
+    "subscription_name",
+    "subscription_queue",
+    "validate_topic",
 ]

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -47,7 +48,13 @@ from resource_managers.message_log import VOLATILE_SUFFIX, Message, validate_des
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
 
 from ._records import DLQ_SUFFIX, decode, encode, message_obj
-from ._state import CursorState, Entry
+from ._state import CursorState, Entry, SubscriptionState
+from ._topics import (
+    Subscription,
+    TopicPublication,
+    is_topic,
+    subscription_queue,
+)
 
 log = logging.getLogger("twopc.cursor")
 
@@ -134,6 +141,8 @@ class Cursor:
         self._stream_locks: dict[str, threading.RLock] = {}
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)  # notified when messages become available
+        self._attached: Counter[str] = Counter()  # subscription queue -> subscribers attached
+        self._take_lock = threading.Lock()  # one publication taken at a time
         self._journal = Journal(
             self.directory, replay=self._replay, segment_bytes=segment_bytes, file_ops=file_ops
         )
@@ -269,8 +278,9 @@ class Cursor:
         """Hand up to ``max_messages`` available messages of ``queue``, in order, to branch
         ``gid``: one forced ``H`` record raises all their counts. Waits up to ``timeout`` seconds
         (None: forever) for the first; takes what is there then, without waiting for more.
-        Expired messages at the head of the queue are dropped on the way (a lazy ``X`` record:
-        one that comes back after a crash has expired all the same)."""
+        Higher priority first, arrival order within a priority. Expired messages at the head of
+        the queue move to its dead-letter queue on the way (a lazy ``W`` record: one that comes
+        back after a crash has expired all the same)."""
         if max_messages < 1:
             raise ProgrammingError("max_messages must be >= 1")
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
@@ -310,11 +320,18 @@ class Cursor:
             raise BranchRolledBack(f"{gid} was rolled back (tombstone)")
         if gid in self._state.prepared:
             raise IllegalStateError(f"{gid} is prepared: it can no longer receive")
+        if is_topic(queue):
+            raise ProgrammingError(
+                f"{queue!r} is a topic: receive from a subscription's queue "
+                "(subscription_queue(topic, name))"
+            )
         dropped = record = None
-        expired = self._state.expired_head(queue, self._clock())
+        now = self._clock()
+        expired = self._state.expired_head(queue, now)
         if expired:
-            self._state.apply(dropped := {"k": "X", "i": expired})
-        ids = list(itertools.islice(self._state.available.get(queue, {}), max_messages))
+            reason = f"expired: its time to live ran out before delivery (seen at {now} ms)"
+            self._state.apply(dropped := {"k": "W", "i": expired, "r": reason})
+        ids = list(itertools.islice(self._state.available.get(queue, ()), max_messages))
         if ids:
             self._state.apply(record := {"k": "H", "g": gid, "i": ids, "c": 1})
         return dropped, record, [self._state.entries[mid] for mid in ids]
@@ -322,7 +339,7 @@ class Cursor:
     def _unhand(self, gid: str, entry: Entry) -> None:
         """Undo a reservation whose record failed (if it was written after all, the replay
         counts one delivery more than happened: a count may be high, never low)."""
-        mid = entry.message.message_id
+        mid = entry.key
         handed = self._state.handed.get(gid, [])
         if mid in handed:
             handed.remove(mid)
@@ -380,9 +397,12 @@ class Cursor:
             back: list[str] = []
             moves: list[list[str]] = []
             for mid in self._state.branch_ids(gid):
-                entry = self._state.entries[mid]
+                entry = self._state.entries.get(mid)
+                if entry is None:
+                    continue
                 if entry.count >= limit and entry.reason is None:
-                    reason = f"delivered {entry.count} times (max_deliveries {limit}), rolled back"
+                    reason = (f"max-deliveries: delivered {entry.count} times "
+                              f"(max_deliveries {limit}), rolled back")  # fmt: skip
                     moves.append([mid, reason])
                 else:
                     back.append(mid)
@@ -405,7 +425,7 @@ class Cursor:
     def available(self, queue: str) -> list[Delivery]:
         """The messages ``queue`` would hand out now, in order (their counts so far)."""
         with self._lock:
-            entries = [self._state.entries[m] for m in self._state.available.get(queue, {})]
+            entries = [self._state.entries[m] for m in self._state.available.get(queue, ())]
             return [Delivery(e.message, e.count, e.queue, e.reason) for e in entries]
 
     def delivery_count(self, message_id: str) -> int | None:
@@ -428,6 +448,227 @@ class Cursor:
     @staticmethod
     def dead_letter_queue(destination: str) -> str:
         return destination + DLQ_SUFFIX
+
+    # -- topics and subscriptions (seed 003) ---------------------------------------------------
+
+    def subscribe(self, topic: str, name: str, *, durable: bool = True) -> Subscription:
+        """Create a subscription (idempotent for one of the same kind). A durable one is a
+        forced ``U`` record and keeps copies while no subscriber is attached; a non-durable one
+        lives in memory, is attached at once, and goes with its last subscriber."""
+        queue = subscription_queue(topic, name)
+        with self._lock:
+            existing = self._state.subscriptions.get(queue)
+            if existing is not None:
+                if existing.durable != durable:
+                    kind = "durable" if existing.durable else "non-durable"
+                    raise IllegalStateError(f"subscription {queue!r} exists and is {kind}")
+                return self._subscription(existing, queue)
+            if not durable:
+                self._state.subscriptions[queue] = SubscriptionState(topic, name, False)
+                self._attached[queue] += 1
+                return self._subscription(self._state.subscriptions[queue], queue)
+        self._append({"k": "U", "u": topic, "s": name}, force=True)
+        with self._lock:
+            return self._subscription(self._state.subscriptions[queue], queue)
+
+    def unsubscribe(self, topic: str, name: str) -> int:
+        """Remove a subscription and the copies waiting in its queue (its dead letters stay);
+        how many copies went. Refused while copies are handed out or prepared: their branches
+        would commit or roll back messages of a subscription that no longer exists."""
+        queue = subscription_queue(topic, name)
+        with self._lock:
+            sub = self._state.subscriptions.get(queue)
+            if sub is None:
+                raise IllegalStateError(f"no subscription {queue!r}")
+            busy = self._in_flight(queue)
+            if busy:
+                raise IllegalStateError(
+                    f"subscription {queue!r} has {busy} message(s) handed out or prepared; "
+                    "end those transactions first"
+                )
+            if not sub.durable:
+                self._attached.pop(queue, None)
+                return self._state.remove_subscription(queue)
+            waiting = len(self._state.available.get(queue, ()))
+        self._append({"k": "V", "u": topic, "s": name}, force=True)
+        with self._lock:
+            self._attached.pop(queue, None)
+        return waiting
+
+    def subscriptions(self, topic: str | None = None) -> list[Subscription]:
+        with self._lock:
+            return [
+                self._subscription(sub, queue)
+                for queue, sub in self._state.subscriptions.items()
+                if topic is None or sub.topic == topic
+            ]
+
+    def attach(self, topic: str, name: str) -> Subscription:
+        """A subscriber connects to an existing subscription (counted, in memory)."""
+        queue = subscription_queue(topic, name)
+        with self._lock:
+            sub = self._state.subscriptions.get(queue)
+            if sub is None:
+                raise IllegalStateError(f"no subscription {queue!r}: subscribe first")
+            self._attached[queue] += 1
+            return self._subscription(sub, queue)
+
+    def detach(self, topic: str, name: str) -> None:
+        """A subscriber disconnects. A durable subscription keeps its copies (and stores the
+        non-persistent ones durably from now on); a non-durable one goes with its last
+        subscriber, with the copies waiting in it."""
+        queue = subscription_queue(topic, name)
+        with self._lock:
+            if self._attached[queue] > 1:
+                self._attached[queue] -= 1
+                return
+            self._attached.pop(queue, None)
+            sub = self._state.subscriptions.get(queue)
+            if sub is not None and not sub.durable:
+                self._state.remove_subscription(queue)
+
+    def holders(self, message_id: str) -> list[str]:
+        """Where the message still is: the topic input, subscription queues (handed out or
+        not), dead-letter queues. Empty once every subscriber's copy is consumed: only then is
+        the message gone from the store."""
+        with self._lock:
+            return sorted(e.queue for e in self._state.entries.values()
+                          if e.message.message_id == message_id)  # fmt: skip
+
+    def _subscription(self, sub: SubscriptionState, queue: str) -> Subscription:
+        return Subscription(sub.topic, sub.name, sub.durable, queue, self._attached[queue] > 0,
+                            len(self._state.available.get(queue, ())),
+                            self._in_flight(queue))  # fmt: skip
+
+    def _in_flight(self, queue: str) -> int:
+        s = self._state
+        return sum(1 for keys in (*s.handed.values(), *s.prepared.values()) for k in keys
+                   if (e := s.entries.get(k)) is not None and e.queue == queue)  # fmt: skip
+
+    # -- topic dispatch: the input, the in-doubt list, the monitor queue (seeds 002, 001) -------
+
+    def next_publication(self, worker: str, timeout: float | None = 0.0) -> TopicPublication | None:
+        """Take the oldest publication off the topic input for dispatcher thread ``worker``:
+        a lazy ``I`` record puts it in the in-doubt list with the subscription queues it goes
+        to. Waits up to ``timeout`` seconds (None: for ever) for one."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._take_lock:
+            while True:
+                with self.changed:
+                    mid = next(iter(self._state.inbox), None)
+                    if mid is None:
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            return None
+                        self.changed.wait(remaining)
+                        continue
+                    entry = self._state.entries[mid]
+                    queues = self._state.topic_queues(entry.message.destination)
+                record = {"k": "I", "m": mid, "w": worker, "z": list(queues)}
+                self._append(record, force=False)
+                return TopicPublication(entry.message, queues, worker)
+
+    def deliver_copy(self, message_id: str, queue: str, by: str) -> bool:
+        """Put a publication's copy into a subscription queue with its monitor entry, in one
+        ``K`` record; False (nothing written) if the monitor queue already has this copy or the
+        subscription is gone. Forced only for a non-persistent message while a durable
+        subscriber is disconnected: seed 003 stores that one as if it were persistent."""
+        with self._lock:
+            taken = self._state.taken.get(message_id)
+            if taken is None:
+                raise IllegalStateError(f"publication {message_id} is not in the in-doubt list")
+            sub = self._state.subscriptions.get(queue)
+            if queue in taken.monitor or sub is None:
+                return False
+            message = self._state.entries[message_id].message
+            force = not message.persistent and sub.durable and self._attached[queue] == 0
+        self._append({"k": "K", "m": message_id, "u": queue, "w": by}, force=force)
+        with self._lock:
+            self.changed.notify_all()
+        return True
+
+    def finish_publication(self, message_id: str) -> None:
+        """The publication reached every subscription: it leaves the in-doubt list (lazy ``E``;
+        if lost, recovery finds every copy in the monitor queue and sends none again)."""
+        with self._lock:
+            if message_id not in self._state.taken:
+                return
+        self._append({"k": "E", "m": message_id}, force=False)
+        self._compaction.maybe()
+
+    def in_doubt(self) -> list[TopicPublication]:
+        """The in-doubt list, in take order."""
+        with self._lock:
+            return [TopicPublication(self._state.entries[mid].message, t.queues, t.worker)
+                    for mid, t in self._state.taken.items()]  # fmt: skip
+
+    def monitored(self, message_id: str, queue: str) -> bool:
+        """Whether the monitor queue records this publication's copy in ``queue``."""
+        with self._lock:
+            taken = self._state.taken.get(message_id)
+            return taken is not None and queue in taken.monitor
+
+    def topic_backlog(self) -> int:
+        """Publications not yet taken by a dispatcher thread."""
+        with self._lock:
+            return len(self._state.inbox)
+
+    # -- queue kinds and dead letters (seeds 004, 003) -----------------------------------------
+
+    def set_transactional(self, queue: str, transactional: bool) -> None:
+        """Mark a queue (non-)transactional (forced ``T``). A transactional message that reaches
+        a non-transactional queue is rejected into its dead-letter queue, and a negative
+        acknowledgment goes to the administration queue the message named (seed 004)."""
+        validate_destination(queue)
+        if is_topic(queue):
+            raise ProgrammingError(f"{queue!r} is a topic; a subscription's queue is transactional")
+        if self.is_transactional(queue) != transactional:
+            self._append({"k": "T", "u": queue, "v": transactional}, force=True)
+
+    def is_transactional(self, queue: str) -> bool:
+        with self._lock:
+            return queue not in self._state.non_transactional
+
+    def dead_letters(self, queue: str | None = None) -> list[Delivery]:
+        """Dead letters with their reasons (``expired:``, ``max-deliveries:``, ``rejected:``),
+        of one queue (its name or its dead-letter queue's) or of all, oldest first."""
+        dlq = None if queue is None else self._dlq_name(queue)
+        with self._lock:
+            entries = sorted((e for e in self._state.entries.values()
+                              if e.reason is not None and (dlq is None or e.queue == dlq)),
+                             key=lambda e: e.order)  # fmt: skip
+            return [Delivery(e.message, e.count, e.queue, e.reason) for e in entries]
+
+    def replay_dead_letters(self, dlq: str, ids: Sequence[str] | None = None) -> int:
+        """Put dead letters back at the tail of their queue with their count reset (forced
+        ``Y``); ``ids``: message ids, None for all. Handed-out ones are skipped; how many went."""
+        return self._settle_dead_letters("Y", dlq, ids)
+
+    def purge_dead_letters(self, dlq: str, ids: Sequence[str] | None = None) -> int:
+        """Delete dead letters (forced ``Z``); ``ids`` as for `replay_dead_letters`."""
+        return self._settle_dead_letters("Z", dlq, ids)
+
+    def _settle_dead_letters(self, kind: str, dlq: str, ids: Sequence[str] | None) -> int:
+        name = self._dlq_name(dlq)
+        wanted = None if ids is None else set(ids)
+        with self._lock:
+            keys = [
+                k
+                for k in self._state.available.get(name, ())
+                if wanted is None or self._state.entries[k].message.message_id in wanted
+            ]
+            if kind == "Y":  # a copy whose subscription is gone has nowhere to go back to
+                keys = [k for k in keys if not self._state._orphan(self._state.entries[k].home)]
+        if keys:
+            self._append({"k": kind, "i": keys}, force=True)
+            with self._lock:
+                self.changed.notify_all()
+        return len(keys)
+
+    @staticmethod
+    def _dlq_name(queue: str) -> str:
+        validate_destination(queue.removesuffix(DLQ_SUFFIX))
+        return queue if queue.endswith(DLQ_SUFFIX) else queue + DLQ_SUFFIX
 
     # -- the journal ---------------------------------------------------------------------------
 

@@ -17,7 +17,22 @@ Kinds (``k``):
 - ``X`` expired: ``i`` the available messages dropped because their ``expires_at`` passed (lazy).
 - ``S`` a stream's filter state, carried by rollover: ``q``, ``e``, ``l`` last accepted.
 - ``Q`` a message, carried by rollover: ``o`` the message, ``a`` its arrival order, ``c`` its
-  delivery count, ``u`` its queue (its destination or ``<destination>.DLQ``), ``r`` reason or null.
+  delivery count, ``u`` its queue (its destination or ``<destination>.DLQ``), ``r`` reason or null;
+  for a topic copy also ``y`` its key and ``h`` its subscription queue.
+- ``W`` moved to their dead-letter queues: ``i`` keys, ``r`` the reason (expiry; lazy).
+- ``T`` a queue's kind: ``u`` queue, ``v`` transactional (forced; carried when false).
+- ``U`` / ``V`` a durable subscription created / removed: ``u`` topic, ``s`` name (forced).
+- ``I`` a publication taken off the topic input by a dispatcher thread (the in-doubt list):
+  ``m`` message id, ``w`` the thread, ``z`` the subscription queues at that moment (lazy).
+- ``K`` a copy of a publication put into a subscription queue together with its monitor entry:
+  ``m``, ``u`` queue, ``w`` the thread (lazy; forced for a non-persistent message whose durable
+  subscriber is disconnected). ``N`` is the monitor entry alone, carried by rollover.
+- ``E`` a publication fanned out: ``m`` (lazy): it leaves the in-doubt list and the store.
+- ``Y`` dead letters replayed to their queue: ``i`` keys (forced). ``Z`` purged: ``i`` (forced).
+
+Why the dispatch records may be lazy: the journal is written in order, so whatever a later forced
+record (a consumer's ``H``) makes durable, every dispatch record before it is durable too; a crash
+that loses a tail of them loses only work the recovery thread redoes from the in-doubt list.
 """
 
 from __future__ import annotations
@@ -45,6 +60,9 @@ def decode(payload: bytes) -> dict[str, Any]:
             raise TypeError("record is not an object")
         for key in _SCHEMA[obj["k"]]:
             _CHECKS[key](obj[key])
+        for key in _OPTIONAL.get(obj["k"], ()):
+            if key in obj:
+                _CHECKS[key](obj[key])
         return obj
     except (ValueError, KeyError, TypeError) as exc:
         raise LogCorruptionError(f"undecodable cursor record {payload[:120]!r}: {exc}") from exc
@@ -72,6 +90,11 @@ def _strs(value: object) -> None:
         _str(v)
 
 
+def _bool(value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{value!r} is not a boolean")
+
+
 def _pairs(value: object) -> None:
     if not isinstance(value, list):
         raise TypeError("moves are not a list")
@@ -84,7 +107,8 @@ def _pairs(value: object) -> None:
 
 _CHECKS: dict[str, Any] = {
     "q": _str, "e": _int, "n": _int, "o": to_message, "g": _str, "i": _strs, "c": _int,
-    "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str,
+    "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str, "v": _bool,
+    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs,
 }  # fmt: skip
 _SCHEMA: dict[str, tuple[str, ...]] = {
     "M": ("q", "e", "n", "o"),
@@ -96,4 +120,15 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "X": ("i",),
     "S": ("q", "e", "l"),
     "Q": ("o", "a", "c", "u", "r"),
+    "W": ("i", "r"),
+    "T": ("u", "v"),
+    "U": ("u", "s"),
+    "V": ("u", "s"),
+    "I": ("m", "w", "z"),
+    "K": ("m", "u", "w"),
+    "N": ("m", "u", "w"),
+    "E": ("m",),
+    "Y": ("i",),
+    "Z": ("i",),
 }
+_OPTIONAL: dict[str, tuple[str, ...]] = {"Q": ("y", "h")}

@@ -38,6 +38,7 @@ from coordinator.xid import branches_of, validate_resource_name
 from resource_managers.message_log import validate_destination
 
 from ._cursor import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Cursor, Delivery
+from ._topics import Subscription
 
 
 class ConsumerBranch:
@@ -153,6 +154,23 @@ class CursorResource:
 
     def forget(self, xid: Xid) -> None:
         self.cursor.forget(self._check(xid).to_gid())
+
+    # The subscription surface, so a session can hold a local cursor or a `RemoteCursor` alike.
+
+    def subscribe(self, topic: str, name: str, *, durable: bool = True) -> Subscription:
+        return self.cursor.subscribe(topic, name, durable=durable)
+
+    def unsubscribe(self, topic: str, name: str) -> int:
+        return self.cursor.unsubscribe(topic, name)
+
+    def subscriptions(self, topic: str | None = None) -> list[Subscription]:
+        return self.cursor.subscriptions(topic)
+
+    def attach(self, topic: str, name: str) -> Subscription:
+        return self.cursor.attach(topic, name)
+
+    def detach(self, topic: str, name: str) -> None:
+        self.cursor.detach(topic, name)
 
     def gauges(self) -> dict[str, Any]:
         return {

@@ -36,6 +36,9 @@ from coordinator.errors import LogCorruptionError, ProgrammingError
 _DESTINATION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}\Z")
 #: the suffix of a destination's non-persistent stream (never a valid destination character)
 VOLATILE_SUFFIX = "#np"
+#: a destination starting with this is a topic (publish/subscribe, seed 003); a topic's name has
+#: no ``/``, which joins it to a subscription's name in the subscription's queue
+TOPIC_PREFIX = "topic:"
 MAX_HEADERS = 64
 MAX_HEADER_CHARS = 4096
 
@@ -158,9 +161,15 @@ def new_message(
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < 10**9:
             raise InvalidMessageError(f"ttl must be a positive number of seconds, not {ttl!r}")
         expires_at = now_ms + max(1, round(ttl * 1000))
+    destination = validate_destination(destination)
+    if destination.startswith(TOPIC_PREFIX) and ("/" in destination or destination == TOPIC_PREFIX):
+        raise InvalidMessageError(
+            f"invalid topic {destination[:80]!r}: a topic name follows {TOPIC_PREFIX!r} and has "
+            "no '/' (a subscription's queue is <topic>/<name>: receive from it, never send to it)"
+        )
     return Message(
         uuid.uuid4().hex,
-        validate_destination(destination),
+        destination,
         bytes(body),
         _validate_headers(headers),
         bool(persistent),
