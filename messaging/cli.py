@@ -1,4 +1,5 @@
-"""``twopc serve log`` and ``twopc serve cursor``: the stores as servers.
+"""``twopc serve log`` and ``twopc serve cursor``: the stores as servers (and, registered from
+here too, the cursor's administration commands of `admin_cli`).
 
 Each prints one line, ``listening on HOST:PORT``, once it accepts connections (scripts and tests
 wait for it), and shuts down cleanly on SIGTERM or SIGINT: listener closed, transfer stopped,
@@ -28,7 +29,11 @@ if TYPE_CHECKING:
 
 
 def register(sub: Any) -> None:
-    """Entry point of the ``twopc.commands`` group."""
+    """Entry point of the ``twopc.commands`` group: ``serve``, and ``subscription``, ``dlq`` and
+    ``queue`` (registered here rather than as entry points of their own, so an existing
+    installation gets them without being reinstalled)."""
+    from .admin_cli import register as register_admin  # noqa: PLC0415 - it imports this module
+
     serve = sub.add_parser("serve", help="run a message log or a cursor as a server")
     kinds = serve.add_subparsers(dest="serve_kind", required=True)
 
@@ -44,6 +49,7 @@ def register(sub: Any) -> None:
     _common(cur_p, default_listen="127.0.0.1:7402")
     cur_p.add_argument("--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES)
     cur_p.set_defaults(func=run_cursor)
+    register_admin(sub)
 
 
 def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
@@ -56,7 +62,8 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--tls-ca", help="PEM CA: verify peers (and the cursor, for a log)")
 
 
-def _secret(args: argparse.Namespace) -> SharedSecret:
+def secret_from(args: argparse.Namespace) -> SharedSecret:
+    """The shared secret of ``--secret-file``, else of ``TWOPC_SECRET``."""
     if args.secret_file:
         return SharedSecret.from_file(args.secret_file)
     env = os.environ.get("TWOPC_SECRET")
@@ -90,7 +97,7 @@ def run_log(args: argparse.Namespace) -> int:
     client_tls = TlsConfig(cafile=args.tls_ca).client_context() if args.tls_ca else None
     server = LogServer(
         args.dir,
-        _secret(args),
+        secret_from(args),
         cursor=parse_address(args.cursor),
         listen=parse_address(args.listen),
         server_id=args.id or "twopc-log",
@@ -109,7 +116,7 @@ def run_cursor(args: argparse.Namespace) -> int:
     tls = _tls(args)
     server = CursorServer(
         args.dir,
-        _secret(args),
+        secret_from(args),
         listen=parse_address(args.listen),
         server_id=args.id or "twopc-cursor",
         tls_server=tls.server_context() if tls else None,

@@ -5,7 +5,10 @@ The application side (`RemoteMessageLog`, `RemoteCursor`) speaks the XA verbs ov
 framed connections to the server side (`ProducerService`, `ConsumerService`, the listener
 handlers of ``twopc serve log|cursor``); `protocol` holds the shapes and error codes both agree
 on. Why a consumer branch pins its connection, and what a broken connection means to each verb,
-is explained in `client` and `service`.
+is explained in `client` and `service`. A cursor's administration (subscriptions, dead letters,
+non-transactional queues) rides on the consumer role too: `RemoteCursor`'s admin methods on the
+client side, `admin` on the server side, which also explains why a remote subscriber's
+attachment lasts exactly as long as its connection.
 """
 
 from .client import RemoteConsumerBranch, RemoteCursor, RemoteMessageLog, RemoteProducerBranch

@@ -15,7 +15,9 @@ known ancestor becomes a `RemoteError` (code ``remote-error``).
 Wire shapes (maps of `messaging.frames.Value`):
 
 - message: ``{id, destination, body, headers, persistent, expires_at}``
-- delivery: ``{message, count, queue, reason}``
+- delivery: ``{message, count, queue, reason}`` (``count`` 0 only for a dead letter never handed
+  out: one a non-transactional queue rejected)
+- subscription: ``{topic, name, durable, queue, connected, available, in_flight}``
 - vote: ``"commit"`` | ``"read_only"`` | ``"rollback"``; outcome: None or an `Outcome` value
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from coordinator.errors import (
     ConfigurationError,
@@ -44,7 +46,7 @@ from coordinator.errors import (
 from coordinator.resource import Outcome, Vote
 from messaging.frames import Value, XaReply
 from resource_managers.cursor import BranchRolledBack as CursorBranchRolledBack
-from resource_managers.cursor import Delivery
+from resource_managers.cursor import Delivery, Subscription
 from resource_managers.message_log import (
     BranchRolledBack as LogBranchRolledBack,
 )
@@ -61,6 +63,8 @@ CONSUMER_ROLE = "consumer"
 MAX_RECEIVE_WAIT = 30.0
 #: the most messages one receive hands out
 MAX_RECEIVE_BATCH = 10_000
+#: the most message ids one replay or purge of dead letters names
+MAX_ADMIN_IDS = 100_000
 _MAX_MESSAGE_ID = 128
 
 
@@ -214,6 +218,22 @@ def arg_list(args: Mapping[str, Value], key: str) -> Sequence[Value]:
     return value
 
 
+def arg_opt_str(args: Mapping[str, Value], key: str) -> str | None:
+    """A string, or None when absent or None."""
+    return None if args.get(key) is None else arg_str(args, key)
+
+
+def arg_ids(args: Mapping[str, Value], key: str) -> list[str] | None:
+    """Message ids: a list of strings, or None (all of them). Bounded, since a client could
+    otherwise make the server check millions of ids against a queue under its lock."""
+    if args.get(key) is None:
+        return None
+    ids = arg_list(args, key)
+    if len(ids) > MAX_ADMIN_IDS or not all(isinstance(i, str) for i in ids):
+        raise _bad(f"argument {key!r} must be a list of at most {MAX_ADMIN_IDS} strings")
+    return [i for i in ids if isinstance(i, str)]
+
+
 # -- messages and deliveries -------------------------------------------------------------------
 
 
@@ -262,15 +282,56 @@ def delivery_to_value(d: Delivery) -> dict[str, Value]:
     }
 
 
-def delivery_from_value(v: Value) -> Delivery:
+def delivery_from_value(v: Value, *, least: int = 1) -> Delivery:
+    """A delivery; ``least`` is the lowest count that makes sense (1 for a receive: this one
+    counts; 0 for a dead letter, which may never have been handed out)."""
     if not isinstance(v, Mapping) or set(v) != {"message", "count", "queue", "reason"}:
         raise _bad("a delivery is a map of message, count, queue, reason")
     count, queue, reason = v["count"], v["queue"], v["reason"]
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise _bad(f"delivery count must be a positive integer, not {count!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < least:
+        raise _bad(f"delivery count must be an integer >= {least}, not {count!r}")
     if not isinstance(queue, str) or not (reason is None or isinstance(reason, str)):
         raise _bad("delivery queue must be a string and reason a string or None")
     return Delivery(message_from_value(v["message"]), count, queue, reason)
+
+
+# -- subscriptions -----------------------------------------------------------------------------
+
+_SUBSCRIPTION_KEYS = {"topic", "name", "durable", "queue", "connected", "available", "in_flight"}
+
+
+def subscription_to_value(s: Subscription) -> dict[str, Value]:
+    return {
+        "topic": s.topic,
+        "name": s.name,
+        "durable": s.durable,
+        "queue": s.queue,
+        "connected": s.connected,
+        "available": s.available,
+        "in_flight": s.in_flight,
+    }
+
+
+def subscription_from_value(v: Value) -> Subscription:
+    if not isinstance(v, Mapping) or set(v) != _SUBSCRIPTION_KEYS:
+        raise _bad(f"a subscription is a map of {', '.join(sorted(_SUBSCRIPTION_KEYS))}")
+    topic, name, queue = v["topic"], v["name"], v["queue"]
+    durable, connected = v["durable"], v["connected"]
+    available, in_flight = v["available"], v["in_flight"]
+    if not (isinstance(topic, str) and isinstance(name, str) and isinstance(queue, str)):
+        raise _bad("a subscription's topic, name and queue must be strings")
+    if not (isinstance(durable, bool) and isinstance(connected, bool)):
+        raise _bad("a subscription's durable and connected must be bools")
+    if not _count(available) or not _count(in_flight):
+        raise _bad("a subscription's available and in_flight must be integers >= 0")
+    return Subscription(
+        topic=topic, name=name, durable=durable, queue=queue, connected=connected,
+        available=available, in_flight=in_flight,
+    )  # fmt: skip
+
+
+def _count(v: Value) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 # -- votes and outcomes ------------------------------------------------------------------------

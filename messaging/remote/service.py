@@ -41,6 +41,7 @@ COMMIT   ``rm, one_phase, received`` (one-phase)     ``outcome``
 ROLLBACK ``rm``                                      ``outcome``
 RECOVER  ``rm`` (no xid)                             ``xids: [gid]``
 FORGET   ``rm``                                      ``{}``
+RECOVER  ``rm, op, ...`` (no xid): administration    see `admin` (subscriptions, dead letters)
 ======== =========================================== =========================================
 
 ``received`` is how many messages the client holds for the branch. If the server's branch holds
@@ -80,6 +81,7 @@ from resource_managers.message_log import (
     ProducerBranch,
 )
 
+from .admin import CursorAdmin
 from .protocol import (
     CONSUMER_ROLE,
     MAX_RECEIVE_BATCH,
@@ -106,8 +108,16 @@ MAX_RESOURCE_NAMES = 256
 
 R = TypeVar("R", MessageLogResource, CursorResource)
 Result = dict[str, Value]
-#: what one connection started and has not ended: xid -> the server-side branch handle
-Open = dict[Xid, Any]
+
+
+class Open(dict[Xid, Any]):
+    """What one connection started and has not ended: xid -> the server-side branch handle. It
+    also carries the connection, for requests whose effect lasts as long as it does (a
+    subscriber's attachment, see `admin`); ``id()`` of it names the connection meanwhile."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__()
+        self.conn = conn
 
 
 class _Service(Generic[R]):
@@ -133,7 +143,7 @@ class _Service(Generic[R]):
             return found
 
     def __call__(self, conn: Connection) -> None:
-        opened: Open = {}
+        opened = Open(conn)
         try:
             while True:
                 frame = conn.recv()
@@ -206,6 +216,8 @@ class _Service(Generic[R]):
         return {"outcome": outcome_to_value(r.rollback(xid))}
 
     def _recover(self, r: R, xid: None, args: Mapping[str, Value], opened: Open) -> Result:
+        if "op" in args:
+            raise BadRequestError(f"the {self.role} service has no administrative ops")
         return {"xids": [x.to_gid() for x in r.recover()]}
 
     def _forget(self, r: R, xid: Xid, args: Mapping[str, Value], opened: Open) -> Result:
@@ -304,6 +316,7 @@ class ConsumerService(_Service[CursorResource]):
         super().__init__()
         self.cursor = cursor
         self.max_deliveries = max_deliveries
+        self.admin = CursorAdmin(cursor)
 
     def _make(self, name: str) -> CursorResource:
         return CursorResource(self.cursor, name, self.max_deliveries)
@@ -316,9 +329,22 @@ class ConsumerService(_Service[CursorResource]):
             FrameType.XA_PREPARE: self._prepare,
             FrameType.XA_COMMIT: self._commit,
             FrameType.XA_ROLLBACK: self._rollback,
-            FrameType.XA_RECOVER: self._recover,
+            FrameType.XA_RECOVER: self._recover_or_admin,
             FrameType.XA_FORGET: self._forget,
         }
+
+    def _recover_or_admin(
+        self, r: CursorResource, xid: None, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        if "op" not in args:
+            return self._recover(r, xid, args, opened)
+        return self.admin.answer(arg_str(args, "op"), args, id(opened), opened.conn)
+
+    def _abandon(self, opened: Open) -> None:
+        try:
+            super()._abandon(opened)
+        finally:
+            self.admin.release(id(opened))
 
     def _start(
         self, r: CursorResource, xid: Xid, args: Mapping[str, Value], opened: Open
@@ -340,6 +366,11 @@ class ConsumerService(_Service[CursorResource]):
     def _unsendable(
         self, request: XaRequest, opened: Open, exc: ProgrammingError
     ) -> TransactionError:
+        if request.verb == FrameType.XA_RECOVER and request.args.get("op") == "dead_letters":
+            return ProgrammingError(
+                f"the dead letters do not fit in one frame ({exc.message}): list one queue at a "
+                "time, or purge some"
+            )
         # deliveries too large for one frame were handed to a branch the client cannot see
         if request.verb != FrameType.XA_START or request.xid is None:
             return exc

@@ -120,7 +120,9 @@ def _produce_one(
             text("INSERT INTO produced (key, producer, tx, j) VALUES (:k, :p, :t, :j)"),
             {"k": key, "p": args.id, "t": t, "j": j},
         )
-        branch.send(args.destination, key.encode(), headers={"producer": args.id})
+        branch.send(
+            args.destination, key.encode(), headers={"producer": args.id}, publisher=args.id
+        )
     if args.rollback_every and t % args.rollback_every == 0:
         raise Rollback(t)
 

@@ -141,18 +141,19 @@ class Cluster:
         self._supervisor.start()
 
     def add_producer(self, pid: str, *, txs: int, per_tx: int, rollback_every: int,
-                     crash_at: str | None = None) -> Proc:  # fmt: skip
+                     crash_at: str | None = None, destination: str = "orders") -> Proc:  # fmt: skip
         argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{self.log_port}",
                 "--pg", self.pg_url, "--id", pid, "--state", str(self.workdir / f"p-{pid}"),
                 "--txs", str(txs), "--per-tx", str(per_tx),
-                "--rollback-every", str(rollback_every)]  # fmt: skip
+                "--rollback-every", str(rollback_every), "--destination", destination]  # fmt: skip
         return self.add(f"producer-{pid}", argv, crash_at, done="DONE")
 
-    def add_consumer(self, cid: str, *, batch: int = 1, crash_at: str | None = None) -> Proc:
+    def add_consumer(self, cid: str, *, batch: int = 1, crash_at: str | None = None,
+                     destination: str = "orders") -> Proc:  # fmt: skip
         argv = [sys.executable, str(WORKER), "consume", "--cursor",
                 f"127.0.0.1:{self.cursor_port}", "--pg", self.pg_url, "--id", cid,
                 "--state", str(self.workdir / f"c-{cid}"), "--batch", str(batch),
-                "--stop-file", str(self.stop_file)]  # fmt: skip
+                "--stop-file", str(self.stop_file), "--destination", destination]  # fmt: skip
         return self.add(f"consumer-{cid}", argv, crash_at, done="HANDLED")
 
     def wait_for(self, name: str, word: str, timeout: float) -> None:
