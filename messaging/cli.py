@@ -48,6 +48,10 @@ def register(sub: Any) -> None:
     cur_p = kinds.add_parser("cursor", help="a cursor: transfer intake and consumer service")
     _common(cur_p, default_listen="127.0.0.1:7402")
     cur_p.add_argument("--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES)
+    cur_p.add_argument(
+        "--dispatch-workers", type=int, default=4,
+        help="topic dispatcher threads (0: no topic dispatch; publications wait)",
+    )  # fmt: skip
     cur_p.set_defaults(func=run_cursor)
     register_admin(sub)
 
@@ -121,5 +125,6 @@ def run_cursor(args: argparse.Namespace) -> int:
         server_id=args.id or "twopc-cursor",
         tls_server=tls.server_context() if tls else None,
         max_deliveries=args.max_deliveries,
+        dispatch_workers=args.dispatch_workers,
     )
     return _serve_until_signalled(server, server.address)

@@ -7,7 +7,9 @@ as ``twopc serve log`` / ``twopc serve cursor``.
   and joins ``server.resource`` in its transactions directly.
 - `CursorServer`: a `Cursor` on disk behind a listener that admits ``transfer`` connections (logs
   delivering) and ``consumer`` connections (remote applications receiving,
-  `messaging.remote.RemoteCursor`). Embedded, ``server.resource`` is the local resource.
+  `messaging.remote.RemoteCursor`), and a `TopicDispatcher` that fans publications out to their
+  subscription queues (``dispatch_workers`` threads; 0 runs none). Embedded, ``server.resource``
+  is the local resource.
 
 Both authenticate every connection with the shared secret (and TLS if configured). Neither owns
 a transaction outcome: a remote branch is decided by its application's coordinator, and what a
@@ -22,6 +24,7 @@ import ssl
 from collections.abc import Callable
 from types import TracebackType
 
+from coordinator.errors import ConfigurationError
 from resource_managers.cursor import DEFAULT_MAX_DELIVERIES, Cursor, CursorResource
 from resource_managers.message_log import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -33,6 +36,7 @@ from resource_managers.sequencing import DoublingBackoff
 from .auth import SharedSecret
 from .connection import Address, Connection, Handler, Listener, connect
 from .remote import CONSUMER_ROLE, PRODUCER_ROLE, ConsumerService, ProducerService
+from .topics import DEFAULT_DISPATCH_WORKERS, TopicDispatcher
 from .transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 
 log = logging.getLogger("twopc.server")
@@ -112,7 +116,10 @@ class LogServer:
 
 
 class CursorServer:
-    """A cursor behind a listener for logs (``transfer``) and remote consumers (``consumer``)."""
+    """A cursor behind a listener for logs (``transfer``) and remote consumers (``consumer``),
+    with its topic dispatcher. The dispatcher lives inside the cursor's process because its
+    in-doubt list and monitor queue are the cursor's records: a copy and its monitor entry are one
+    record only if the same journal writes both."""
 
     def __init__(
         self,
@@ -124,11 +131,17 @@ class CursorServer:
         tls_server: ssl.SSLContext | None = None,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         resource_name: str = "cursor",
+        dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
     ) -> None:
         self.cursor = Cursor(directory, max_deliveries=max_deliveries)
         self.resource = CursorResource(self.cursor, resource_name, max_deliveries)
         self.receiver = TransferReceiver(self.cursor)
         try:
+            if dispatch_workers < 0:
+                raise ConfigurationError("dispatch_workers must be >= 0 (0: no topic dispatch)")
+            self.topics = (
+                TopicDispatcher(self.cursor, dispatch_workers) if dispatch_workers > 0 else None
+            )
             handlers: dict[str, Handler] = {
                 TRANSFER_ROLE: self.receiver,
                 CONSUMER_ROLE: ConsumerService(self.cursor, max_deliveries),
@@ -143,12 +156,21 @@ class CursorServer:
         return self.listener.address
 
     def start(self) -> CursorServer:
+        """Start the topic dispatcher (its recovery runs first, on its own thread), then serve."""
+        if self.topics is not None:
+            self.topics.start()
         self.listener.start()
         return self
 
     def close(self) -> None:
-        self.listener.close()
-        self.cursor.close()
+        """Stop serving, let the dispatcher deliver what it took, then close the journal. A
+        publication the dispatcher could not finish stays in doubt for the next start."""
+        try:
+            self.listener.close()
+            if self.topics is not None:
+                log.info("topic dispatch stopped: %s", self.topics.stop())
+        finally:
+            self.cursor.close()
 
     def __enter__(self) -> CursorServer:
         return self.start()
