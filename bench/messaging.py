@@ -20,11 +20,20 @@ embedded cursor, which the transfer reaches over TCP on loopback, authenticated)
   the RabbitMQ row does). The gap between these two rows is what exactly-once costs.
 - ``twopc log+cursor only``: no database work at all: the messaging system alone.
 
+Then one row per JMS acknowledgment mode (seed 003; `messaging.session`), so the cost of each
+guarantee is visible: a `Session` consumes messages of the same size from an embedded cursor
+(filled beforehand, no database, no transfer) with a file decision log; ``auto`` acknowledges each
+message, ``client`` every 10th, ``dups-ok`` each batch of 64, and ``transacted`` receives one
+message, sends one on through an embedded message log and commits both (two-phase). ``fsync/msg``
+counts the cursor's, the log's and the decision log's fsyncs; ``at risk`` is how many handled
+messages a crash can bring back (redelivered) at most.
+
 Targets (printed with a verdict): at 100 messages per transaction, twopc exactly-once >= 1.0x
 JetStream's exactly-once pipeline, and exactly-once at most 10% slower than at-least-once.
 
     python bench/messaging.py [--messages 2000] [--quick] [--per-tx 1,10,100]
-        [--systems twopc,jetstream,rabbitmq]
+        [--systems twopc,jetstream,rabbitmq] [--ack-modes auto,client,dups-ok,transacted]
+        [--ack-messages 1000]
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
@@ -54,10 +64,12 @@ from sqlalchemy import create_engine, text
 from coordinator import FileDecisionLog, TransactionManager
 from messaging.auth import SharedSecret
 from messaging.connection import Listener, connect
+from messaging.session import AckMode, Received, Session
 from messaging.transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 from resource_managers.cursor import Cursor, CursorResource
-from resource_managers.message_log import MessageLog, MessageLogResource
+from resource_managers.message_log import Message, MessageLog, MessageLogResource
 from resource_managers.postgres import PostgresResource
+from resource_managers.sequencing import Frame
 
 EXACTLY_ONCE = "twopc exactly-once (2PC with PostgreSQL both ends)"
 AT_LEAST_ONCE = "twopc at-least-once (ack after commit, no 2PC)"
@@ -254,6 +266,109 @@ def _recv(pipe: Pipe, proc: Any, timeout: float = base.STALL_TIMEOUT_S * 3) -> A
     return pipe.recv()
 
 
+# -- acknowledgment modes (seed 003) ---------------------------------------------------------------
+
+ACK_MODES = "auto,client,dups-ok,transacted"
+CLIENT_ACK_EVERY = 10
+DUPS_OK_BATCH = 64
+ACK_ROWS = {
+    "auto": "session auto (ack per message)",
+    "client": f"session client (ack every {CLIENT_ACK_EVERY})",
+    "dups-ok": f"session dups-ok (batch {DUPS_OK_BATCH})",
+    "transacted": "session transacted (recv+send, 2PC)",
+}
+#: handled messages a crash can bring back, at most: the guarantee each row pays for
+AT_RISK = {"auto": 1, "client": CLIENT_ACK_EVERY, "dups-ok": DUPS_OK_BATCH, "transacted": 0}
+
+
+@dataclass
+class AckModeResult:
+    mode: str
+    messages: int
+    seconds: float
+    fsyncs: int
+
+    @property
+    def msgs_per_s(self) -> float:
+        return self.messages / self.seconds
+
+
+def run_ack_mode(mode: str, messages: int) -> AckModeResult:
+    """Consume ``messages`` prefilled messages through a `Session` in ``mode``, in this process."""
+    workdir = Path(tempfile.mkdtemp(prefix="twopc-bench-ack-"))
+    try:
+        with Cursor(workdir / "cursor") as cursor, MessageLog(workdir / "log") as mlog:
+            items = []
+            for seq in range(1, messages + 1):
+                m = Message(uuid.uuid4().hex, DESTINATION, os.urandom(base.BODY_BYTES))
+                items.append((Frame(DESTINATION, 1, seq, seq - 1, m.message_id), m))
+            cursor.deliver_many(items)
+            cur_res, log_res = CursorResource(cursor, "cursor"), MessageLogResource(mlog, "mlog")
+            tm = _manager("bench-session", workdir, [cur_res, log_res])
+            session = Session(tm, cursor=cur_res, log=log_res, mode=AckMode(mode),
+                              dups_ok_batch=DUPS_OK_BATCH)  # fmt: skip
+            handled = 0
+
+            def handle(m: Received) -> None:
+                nonlocal handled
+                handled += 1
+                if mode == "client" and handled % CLIENT_ACK_EVERY == 0:
+                    m.acknowledge()
+                elif mode == "transacted":
+                    session.send(DESTINATION + "-out", m.body)
+                    session.commit()
+
+            fsyncs = [cursor.stats().fsyncs, mlog.stats().fsyncs, tm.log.stats().fsyncs]
+            started = time.perf_counter()
+            session.consume(DESTINATION, handle)
+            session.close()  # acknowledges (client: the last partial group; commits nothing else)
+            seconds = time.perf_counter() - started
+            after = [cursor.stats().fsyncs, mlog.stats().fsyncs, tm.log.stats().fsyncs]
+            tm.close()
+            if handled != messages or cursor.stats().available or cursor.stats().in_flight:
+                raise base.BenchError(f"{mode}: handled {handled} of {messages}")
+        return AckModeResult(mode, messages, seconds, sum(after) - sum(fsyncs))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def ack_mode_list(value: str) -> list[str]:
+    """``--ack-modes``: a comma-separated subset of `ACK_MODES`, possibly empty."""
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(ACK_ROWS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; known: {ACK_MODES}")
+    return modes
+
+
+def run_ack_modes(modes: list[str], messages: int) -> list[AckModeResult]:
+    """One row per mode, printed as a table after the last (nothing for no modes)."""
+    if not modes:
+        return []
+    print(f"\nJMS acknowledgment modes (seed 003), {messages} messages of {base.BODY_BYTES} "
+          "bytes per row")  # fmt: skip
+    results = []
+    for mode in modes:
+        print(f"  running session {mode} ...", flush=True)
+        results.append(run_ack_mode(mode, messages))
+    print_ack_table(results)
+    return results
+
+
+def print_ack_table(results: list[AckModeResult]) -> None:
+    print(f"{'mode':<10}  {'system':<42} {'msgs':>6} {'seconds':>8} {'msg/s':>8} "
+          f"{'fsync/msg':>9} {'at risk':>7}")  # fmt: skip
+    for r in results:
+        print(f"{r.mode:<10}  {ACK_ROWS[r.mode]:<42} {r.messages:>6} {r.seconds:>8.2f} "
+              f"{r.msgs_per_s:>8,.0f} {r.fsyncs / r.messages:>9.2f} "
+              f"{AT_RISK[r.mode]:>7}")  # fmt: skip
+    print(
+        "msg/s: receive and acknowledge only, one session over an embedded cursor (no database, "
+        "no transfer);\nfsync/msg: the cursor's, the log's and the decision log's fsyncs per "
+        "message; at risk: handled messages a crash can redeliver."
+    )
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 
@@ -286,9 +401,18 @@ def main() -> None:
     parser.add_argument("--pg-dsn", help="PostgreSQL DSN (default: a throwaway cluster)")
     parser.add_argument("--nats-url", help="JetStream server (default the local one, else private)")
     parser.add_argument("--rabbitmq-url", default=base.RABBITMQ_URL)
+    parser.add_argument(
+        "--ack-modes",
+        default=ack_mode_list(ACK_MODES),
+        type=ack_mode_list,
+        help=f"session acknowledgment-mode rows ({ACK_MODES}; '' for none)",
+    )
+    parser.add_argument("--ack-messages", type=int, default=1000,
+                        help="messages per acknowledgment-mode row (1000)")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.messages = 300
+        args.ack_messages = min(args.ack_messages, 300)
     base.exit_on_sigterm()  # so a killed run still removes its throwaway PostgreSQL
     batch_sizes = [int(n) for n in args.per_tx.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -322,6 +446,7 @@ def main() -> None:
     base.print_table(results)
     for line in verdicts(results):
         print(line)
+    run_ack_modes(args.ack_modes, args.ack_messages)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ VOLATILE_SUFFIX = "#np"
 #: a destination starting with this is a topic (publish/subscribe, seed 003); a topic's name has
 #: no ``/``, which joins it to a subscription's name in the subscription's queue
 TOPIC_PREFIX = "topic:"
+#: ``<queue>.DLQ`` is the queue's dead-letter queue at the cursor: only the cursor puts messages
+#: there, so a producer cannot mix its messages with dead letters
+DLQ_SUFFIX = ".DLQ"
 MAX_HEADERS = 64
 MAX_HEADER_CHARS = 4096
 
@@ -162,6 +165,11 @@ def new_message(
             raise InvalidMessageError(f"ttl must be a positive number of seconds, not {ttl!r}")
         expires_at = now_ms + max(1, round(ttl * 1000))
     destination = validate_destination(destination)
+    if destination.endswith(DLQ_SUFFIX):
+        raise InvalidMessageError(
+            f"{destination[:80]!r} is a dead-letter queue: only the cursor puts messages there "
+            "(replay them with `twopc dlq replay`)"
+        )
     if destination.startswith(TOPIC_PREFIX) and ("/" in destination or destination == TOPIC_PREFIX):
         raise InvalidMessageError(
             f"invalid topic {destination[:80]!r}: a topic name follows {TOPIC_PREFIX!r} and has "

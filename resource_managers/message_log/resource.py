@@ -111,6 +111,7 @@ class StagingBranch:
         *,
         priority: int | None = None,
         admin_queue: str | None = None,
+        transactional: bool = True,
         publisher: str | None = None,
     ) -> list[str]:
         """Stage one copy of the message per destination (a distribution list, seed 004); return
@@ -119,7 +120,7 @@ class StagingBranch:
         try:
             return self._stage(
                 destinations, body, headers=headers, persistent=persistent, ttl=ttl,
-                priority=priority, admin_queue=admin_queue, transactional=True,
+                priority=priority, admin_queue=admin_queue, transactional=transactional,
                 publisher=publisher,
             )  # fmt: skip
         except (InvalidMessageError, DestinationFullError) as exc:

@@ -1,0 +1,127 @@
+"""The values a session deals in: its acknowledgment mode, the messages it hands out, and the
+shapes of the branches it joins (local or remote alike)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from resource_managers.cursor import Delivery, Subscription
+from resource_managers.message_log import Message
+
+if TYPE_CHECKING:
+    from ._session import Session
+
+
+class AckMode(enum.Enum):
+    """When a received message is acknowledged (deleted from the cursor); seed 003's modes."""
+
+    AUTO = "auto"
+    CLIENT = "client"
+    DUPS_OK = "dups-ok"
+    TRANSACTED = "transacted"
+
+
+class ConsumerHandle(Protocol):
+    """What ``tx.join(cursor)`` returns: `ConsumerBranch` or `RemoteConsumerBranch`."""
+
+    def receive_many(
+        self, destination: str, max_messages: int, timeout: float | None = 0.0
+    ) -> list[Delivery]: ...
+
+
+class ProducerHandle(Protocol):
+    """What ``tx.join(log)`` returns: `ProducerBranch` or `RemoteProducerBranch`."""
+
+    def send(
+        self,
+        destination: str,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        persistent: bool = True,
+        ttl: float | None = None,
+        *,
+        priority: int | None = None,
+        admin_queue: str | None = None,
+        transactional: bool = True,
+        publisher: str | None = None,
+    ) -> str: ...
+
+    def send_to_list(
+        self,
+        destinations: list[str],
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        persistent: bool = True,
+        ttl: float | None = None,
+        *,
+        priority: int | None = None,
+        admin_queue: str | None = None,
+        transactional: bool = True,
+        publisher: str | None = None,
+    ) -> list[str]: ...
+
+
+class TopicVerbs(Protocol):
+    """The subscription verbs of `CursorResource` and `RemoteCursor` (seed 003's topics)."""
+
+    def subscribe(self, topic: str, name: str, *, durable: bool = True) -> Subscription: ...
+
+    def unsubscribe(self, topic: str, name: str) -> int: ...
+
+    def attach(self, topic: str, name: str) -> Subscription: ...
+
+    def detach(self, topic: str, name: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message as a session hands it out: the cursor's `Delivery` and the session it came by.
+
+    ``redelivered`` and ``delivery_count`` are seed 003's JMSRedelivered and its count: a message
+    that comes back after a rollback, a `Session.recover` or a crash has ``redelivered`` set."""
+
+    delivery: Delivery
+    session: Session = field(repr=False, compare=False)
+
+    @property
+    def message(self) -> Message:
+        return self.delivery.message
+
+    @property
+    def body(self) -> bytes:
+        return self.delivery.body
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.delivery.headers
+
+    @property
+    def message_id(self) -> str:
+        return self.delivery.message_id
+
+    @property
+    def redelivered(self) -> bool:
+        return self.delivery.redelivered
+
+    @property
+    def delivery_count(self) -> int:
+        return self.delivery.delivery_count
+
+    @property
+    def priority(self) -> int:
+        return self.delivery.message.priority
+
+    @property
+    def queue(self) -> str:
+        return self.delivery.queue
+
+    def acknowledge(self) -> None:
+        """JMS's ``Message.acknowledge``: acknowledges the *session* (every message it delivered
+        so far), since acknowledgment is a commit of the session's one open transaction."""
+        self.session.acknowledge()
+
+
+Handler = Callable[[Received], None]
