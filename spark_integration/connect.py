@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 
 from coordinator import ConfigurationError, Resource, Xid
 from messaging.auth import SharedSecret
-from messaging.remote.client import RemoteMessageLog
+from messaging.remote import RemoteMessageLog
 from resource_managers.postgres import PostgresResource
 from resource_managers.postgres.sql_log import SqlDecisionLog
 from resource_managers.redis import RedisResource

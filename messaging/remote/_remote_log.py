@@ -1,0 +1,140 @@
+"""A message log served by ``twopc serve log``, enlisted in a local transaction as a resource
+manager of its own (role ``producer``).
+
+A producer branch stages its messages here, validated as `ProducerBranch.send` validates them
+(the destination's room is the server's to check, at prepare), and ships them with the prepare:
+one round trip per transaction, and an abandoned transaction costs the server nothing. Expiry
+times (``ttl``) are computed on this machine's clock. What a broken connection means to each verb
+is explained in `_resource`.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+
+from coordinator.errors import IllegalStateError, OutcomeUnknownError, ProgrammingError
+from coordinator.resource import Outcome, Vote
+from coordinator.xid import Xid
+from messaging.auth import SharedSecret
+from messaging.connection import Address
+from messaging.frames import FrameType, Value
+from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES, BranchDoomed, StagingBranch
+
+from ._replies import _outcome, _vote
+from ._resource import _Lost, _RemoteResource
+from .protocol import PRODUCER_ROLE, RemoteUnavailable, message_to_value
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class RemoteProducerBranch(StagingBranch):
+    """One transaction's messages for a remote log, staged here until prepare; the server checks
+    the destination's limit (`DestinationFullError`) at prepare."""
+
+    def __init__(self, resource: RemoteMessageLog, xid: Xid) -> None:
+        super().__init__(xid)
+        self.name = resource.name
+        self._limit = resource.max_message_bytes
+
+    def _now_ms(self) -> int:
+        return _now_ms()
+
+    def _max_bytes(self) -> int:
+        return self._limit
+
+
+class RemoteMessageLog(_RemoteResource):
+    """A message log served by ``twopc serve log``, as a resource manager (role ``producer``).
+
+    ``name`` is the bqual (the server keeps one resource per name): keep it stable, and unique
+    among the clients of one log unless they share a coordinator node id. ``max_message_bytes``
+    is checked at ``send``; the server checks its own limit again."""
+
+    _role = PRODUCER_ROLE
+
+    def __init__(
+        self,
+        address: Address,
+        secret: SharedSecret,
+        *,
+        name: str = "mlog",
+        client_id: str = "twopc-client",
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        sort_key: str | None = None,
+    ) -> None:
+        super().__init__(
+            address, secret, name=name, client_id=client_id, tls=tls,
+            server_hostname=server_hostname, timeout=timeout, sort_key=sort_key,
+        )  # fmt: skip
+        if max_message_bytes < 1:
+            raise ProgrammingError("max_message_bytes must be >= 1")
+        self.max_message_bytes = max_message_bytes
+        self._branches: dict[Xid, RemoteProducerBranch] = {}
+
+    def start(self, xid: Xid) -> RemoteProducerBranch:
+        branch = RemoteProducerBranch(self, self._check(xid))
+        with self._lock:
+            if xid in self._branches:
+                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
+            self._branches[xid] = branch
+        return branch
+
+    def _take(self, xid: Xid) -> RemoteProducerBranch:
+        with self._lock:
+            branch = self._branches.pop(self._check(xid), None)
+        if branch is None:
+            raise IllegalStateError(f"{self._name}: no active branch {xid}")
+        branch.closed = True
+        return branch
+
+    def prepare(self, xid: Xid) -> Vote:
+        branch = self._take(xid)
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {xid}: {branch.doomed}")
+        if not branch.messages:
+            return Vote.READ_ONLY
+        args: dict[str, Value] = {"messages": [message_to_value(m) for m in branch.messages]}
+        try:
+            return self._call(FrameType.XA_PREPARE, xid, args, _vote, idempotent=False)
+        except _Lost as exc:  # the server may have prepared: voting no makes it roll back
+            raise RemoteUnavailable(
+                f"{self._name}: no answer to the prepare of {xid} ({exc}); it rolls back"
+            ) from exc
+
+    def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
+        if not one_phase:
+            with self._lock:
+                if xid in self._branches:
+                    raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+            return self._commit_prepared(self._check(xid))
+        branch = self._take(xid)
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {xid}: {branch.doomed}")
+        if not branch.messages:
+            return None
+        args: dict[str, Value] = {
+            "one_phase": True,
+            "messages": [message_to_value(m) for m in branch.messages],
+        }
+        try:
+            return self._call(FrameType.XA_COMMIT, xid, args, _outcome, idempotent=False)
+        except _Lost as exc:
+            raise OutcomeUnknownError(
+                f"{self._name}: no answer to the one-phase commit of {xid} ({exc}); it may have "
+                "committed",
+                gtrid=xid.gtrid,
+            ) from exc
+
+    def rollback(self, xid: Xid) -> Outcome | None:
+        with self._lock:
+            branch = self._branches.pop(self._check(xid), None)
+        if branch is not None:  # never shipped: the server has never heard of it
+            branch.closed = True
+            return None
+        return self._rollback_remote(xid)

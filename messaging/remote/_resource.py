@@ -1,0 +1,195 @@
+"""What both remote resources share: the connection pool, the request loop, the idempotent verbs,
+and what a broken connection means to each verb.
+
+`RemoteMessageLog` and `RemoteCursor` implement the `Resource` protocol by speaking the XA verbs
+(see `service` for the table) over authenticated framed connections. What needs care is what a
+broken connection means, because the answer decides what the coordinator may conclude:
+
+- **Nothing was sent** (the connection could not be made, or the send failed: the server cannot
+  have read a whole frame): the call can be made again on a fresh connection, once.
+- **Sent, no answer**: the server may have acted. Idempotent verbs (phase-two commit, rollback,
+  recover, forget) are sent once more on a fresh connection, then raise `RemoteUnavailable` (a
+  `TransientError`): the coordinator leaves the branch to recovery, which calls again; no outcome
+  is made up. A prepare is not repeated: it raises, which votes no. A one-phase commit is not
+  repeated either and raises `OutcomeUnknownError`: it may have committed.
+
+`_exchange` tells the two apart (`_Unsent`, `_Lost`) and `_call` repeats what may be repeated;
+the rest is each resource's to judge (`_remote_log`, `_remote_cursor`, whose consumer branches
+pin one connection, and `_cursor_admin`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import ssl
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from coordinator.errors import FrameError, InvalidXidError, ProgrammingError
+from coordinator.resource import Outcome
+from coordinator.xid import Xid, branches_of, is_sub_branch_of, validate_resource_name
+from messaging.auth import SharedSecret
+from messaging.connection import Address, Connection
+from messaging.frames import FrameType, Value, XaReply, XaRequest
+
+from ._pool import _Pool
+from ._replies import Result, _Bad, _gids, _outcome
+from .protocol import RemoteUnavailable, error_from_reply
+
+T = TypeVar("T")
+_R = TypeVar("_R", bound="_RemoteResource")
+
+
+class _Unsent(Exception):
+    """The request never reached the server whole: nothing happened there."""
+
+
+class _Lost(Exception):
+    """The request was sent and no valid answer came: the server may have acted."""
+
+
+class _RemoteResource:
+    """What both remote resources share: the pool, the request loop, the idempotent verbs."""
+
+    _role: str
+
+    def __init__(
+        self,
+        address: Address,
+        secret: SharedSecret,
+        *,
+        name: str,
+        client_id: str,
+        tls: ssl.SSLContext | None,
+        server_hostname: str | None,
+        timeout: float,
+        sort_key: str | None,
+    ) -> None:
+        if not timeout > 0:
+            raise ProgrammingError("timeout must be > 0 seconds")
+        self._name = validate_resource_name(name)
+        self._sort_key = sort_key or self._name
+        self.timeout = timeout
+        self._pool = _Pool(
+            address, secret, client_id=client_id, role=self._role, tls=tls,
+            server_hostname=server_hostname, timeout=timeout,
+        )  # fmt: skip
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sort_key(self) -> str:
+        return self._sort_key
+
+    @property
+    def address(self) -> Address:
+        return self._pool.address
+
+    def __repr__(self) -> str:
+        host, port = self._pool.address
+        return f"{type(self).__name__}({self._name!r}, '{host}:{port}')"
+
+    def close(self) -> None:
+        """Close the idle connections; branches in flight keep theirs until they end."""
+        self._pool.close()
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self, xid: Xid) -> Xid:
+        if xid.bqual != self._name and not is_sub_branch_of(xid.bqual, self._name):
+            raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
+        return xid
+
+    # -- one request -----------------------------------------------------------------------
+
+    def _exchange(
+        self,
+        conn: Connection,
+        verb: FrameType,
+        xid: Xid | None,
+        args: dict[str, Value],
+        decode: Callable[[Result], T],
+        *,
+        wait: float = 0.0,
+    ) -> T:
+        """Send one request on ``conn`` and decode its answer. Raises `_Unsent`, `_Lost` (the
+        connection is closed then: out of step, it cannot be trusted) or the server's error."""
+        request = XaRequest(verb, next(self._ids), xid, {"rm": self._name, **args})
+        try:
+            conn.send(request)
+        except OSError as exc:
+            conn.close()
+            raise _Unsent(str(exc)) from exc
+        try:
+            reply = conn.recv(timeout=wait + self.timeout)  # TimeoutError is an OSError
+        except (OSError, FrameError) as exc:
+            conn.close()
+            raise _Lost(f"{verb.name}: {exc!r}") from exc
+        if not isinstance(reply, XaReply) or reply.request_id != request.request_id:
+            conn.close()  # EOF (None), the server's refusal, or out of step
+            raise _Lost(f"expected the reply to {verb.name}, got {reply!r}"[:300])
+        if reply.status != "ok":
+            raise error_from_reply(reply)  # an answer: the connection is still in step
+        try:
+            return decode(reply.result)
+        except (_Bad, KeyError) as exc:
+            conn.close()
+            raise _Lost(f"malformed reply to {verb.name}: {exc!r}") from exc
+
+    def _call(
+        self,
+        verb: FrameType,
+        xid: Xid | None,
+        args: dict[str, Value],
+        decode: Callable[[Result], T],
+        *,
+        idempotent: bool,
+    ) -> T:
+        """One request on a pooled connection. Nothing sent: one more try. Sent and lost: one
+        more try if ``idempotent``, else `_Lost` for the caller to judge."""
+        for attempt in (1, 2):
+            conn = self._pool.acquire()
+            try:
+                result = self._exchange(conn, verb, xid, args, decode)
+            except _Unsent as exc:
+                if attempt == 2:
+                    raise RemoteUnavailable(f"{self._name}: {verb.name} not sent: {exc}") from exc
+                continue
+            except _Lost as exc:
+                if not idempotent:
+                    raise
+                if attempt == 2:
+                    raise RemoteUnavailable(
+                        f"{self._name}: no answer to {verb.name} ({exc}); recovery will ask again"
+                    ) from exc
+                continue
+            except BaseException:
+                self._pool.release(conn)
+                raise
+            self._pool.release(conn)
+            return result
+        raise AssertionError("unreachable")
+
+    # -- the idempotent verbs --------------------------------------------------------------
+
+    def _commit_prepared(self, xid: Xid) -> Outcome | None:
+        return self._call(FrameType.XA_COMMIT, xid, {"one_phase": False}, _outcome, idempotent=True)
+
+    def _rollback_remote(self, xid: Xid) -> Outcome | None:
+        return self._call(FrameType.XA_ROLLBACK, xid, {}, _outcome, idempotent=True)
+
+    def recover(self) -> list[Xid]:
+        gids = self._call(FrameType.XA_RECOVER, None, {}, _gids, idempotent=True)
+        return branches_of(gids, self._name, sub_branches=True)
+
+    def forget(self, xid: Xid) -> None:
+        self._call(FrameType.XA_FORGET, self._check(xid), {}, lambda r: None, idempotent=True)
