@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,18 +43,6 @@ from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def curdir(tmp_path: Path) -> Path:
-    return tmp_path / "cursor"
-
-
-@pytest.fixture
-def cursor(curdir: Path) -> Iterator[Cursor]:
-    c = Cursor(curdir)
-    yield c
-    c.close()
 
 
 def message(body: bytes, destination: str = "orders") -> Message:

@@ -7,7 +7,6 @@ Every check that matters after a crash is made again on a reopened cursor, and a
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,18 +28,6 @@ from resource_managers.message_log import (
 from resource_managers.sequencing import Frame
 
 TOPIC = "topic:prices"
-
-
-@pytest.fixture
-def curdir(tmp_path: Path) -> Path:
-    return tmp_path / "cursor"
-
-
-@pytest.fixture
-def cursor(curdir: Path) -> Iterator[Cursor]:
-    c = Cursor(curdir)
-    yield c
-    c.close()
 
 
 def put(

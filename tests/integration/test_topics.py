@@ -19,7 +19,7 @@ import textwrap
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,17 +40,6 @@ pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 TOPIC = "topic:news"
 SECRET = SharedSecret(b"topic test secret, 32 bytes long!")
-
-
-@pytest.fixture
-def curdir(tmp_path: Path) -> Path:
-    return tmp_path / "cursor"
-
-
-@pytest.fixture
-def cursor(curdir: Path) -> Iterator[Cursor]:
-    with Cursor(curdir) as c:
-        yield c
 
 
 def publish(c: Cursor, *messages: Message) -> None:

@@ -1,0 +1,21 @@
+"""Fixtures the cursor's integration tests share: a cursor directory and a cursor open on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from resource_managers.cursor import Cursor
+
+
+@pytest.fixture
+def curdir(tmp_path: Path) -> Path:
+    return tmp_path / "cursor"
+
+
+@pytest.fixture
+def cursor(curdir: Path) -> Iterator[Cursor]:
+    with Cursor(curdir) as c:
+        yield c
