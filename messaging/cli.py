@@ -23,6 +23,7 @@ from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES
 
 from .auth import SharedSecret, TlsConfig
 from .connection import parse_address
+from .topics import DEFAULT_DISPATCH_WORKERS
 
 if TYPE_CHECKING:
     from .server import CursorServer, LogServer
@@ -49,7 +50,7 @@ def register(sub: Any) -> None:
     _common(cur_p, default_listen="127.0.0.1:7402")
     cur_p.add_argument("--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES)
     cur_p.add_argument(
-        "--dispatch-workers", type=int, default=4,
+        "--dispatch-workers", type=int, default=DEFAULT_DISPATCH_WORKERS,
         help="topic dispatcher threads (0: no topic dispatch; publications wait)",
     )  # fmt: skip
     cur_p.set_defaults(func=run_cursor)

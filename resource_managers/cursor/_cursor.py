@@ -657,8 +657,8 @@ class Cursor:
                 for k in self._state.available.get(name, ())
                 if wanted is None or self._state.entries[k].message.message_id in wanted
             ]
-            if kind == "Y":  # a copy whose subscription is gone has nowhere to go back to
-                keys = [k for k in keys if not self._state._orphan(self._state.entries[k].home)]
+            if kind == "Y":  # nowhere to go back to, or a queue that would reject it again
+                keys = [k for k in keys if self._state.replayable(self._state.entries[k])]
         if keys:
             self._append({"k": kind, "i": keys}, force=True)
             with self._lock:

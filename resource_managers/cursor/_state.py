@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from resource_managers.message_log import TOPIC_PREFIX, Message
+from resource_managers.message_log import TOPIC_PREFIX, TRANSACTIONAL_HEADER, Message
 from resource_managers.sequencing import StreamState
 
 from ._records import DLQ_SUFFIX, message_obj, to_message
@@ -245,8 +245,8 @@ class CursorState:
     def _replayed(self, r: dict[str, Any]) -> None:
         for key in r["i"]:
             entry = self.entries.get(key)
-            if entry is None or entry.reason is None or self._orphan(entry.home):
-                continue  # not a dead letter, or its subscription is gone
+            if entry is None or entry.reason is None or not self.replayable(entry):
+                continue
             if self._unqueue(entry):
                 entry.queue, entry.reason, entry.count = entry.home, None, 0
                 entry.order = self.next_order
@@ -258,6 +258,13 @@ class CursorState:
             entry = self.entries.get(key)
             if entry is not None and self._unqueue(entry):
                 del self.entries[key]
+
+    def replayable(self, entry: Entry) -> bool:
+        """A dead letter may go back to its queue unless its subscription is gone or the queue
+        would reject it again (a transactional message at a non-transactional queue)."""
+        if self._orphan(entry.home):
+            return False
+        return not (entry.message.transactional and entry.home in self.non_transactional)
 
     def _orphan(self, home: str) -> bool:
         return is_subscription_queue(home) and home not in self.subscriptions
@@ -296,6 +303,7 @@ class CursorState:
             message.body,
             {
                 NACK_HEADER: "non-transactional-queue",
+                TRANSACTIONAL_HEADER: "0",  # the cursor's own notice, not a transaction's
                 "twopc-original-id": message.message_id,
                 "twopc-original-destination": message.destination,
             },

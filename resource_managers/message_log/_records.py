@@ -96,8 +96,10 @@ def _check_reserved(headers: Mapping[str, str]) -> None:
     if priority is not None and (len(priority) != 1 or priority not in "0123456789"):
         raise InvalidMessageError(f"priority must be 0-9, not {priority[:20]!r}")
     admin = headers.get(ADMIN_QUEUE_HEADER)
-    if admin is not None:
-        validate_destination(admin)
+    if admin is not None and (
+        validate_destination(admin).startswith(TOPIC_PREFIX) or admin.endswith(DLQ_SUFFIX)
+    ):
+        raise InvalidMessageError(f"admin queue {admin[:80]!r} must be a plain queue")
     if headers.get(TRANSACTIONAL_HEADER, "1") not in ("0", "1"):
         raise InvalidMessageError(f"header {TRANSACTIONAL_HEADER!r} must be '0' or '1'")
     for key in (PUBLISHER_HEADER, LIST_HEADER):

@@ -119,6 +119,10 @@ def test_a_transactional_message_at_a_non_transactional_queue_is_rejected_with_a
         assert [d.message_id for d in again.available("admin")] == [nack.message_id]
         assert not again.is_transactional("audit")
         assert [d.message_id for d in again.dead_letters("audit")] == [m.message_id]
+        assert again.replay_dead_letters("audit") == 0  # the queue would reject it again
+        again.set_transactional("audit", True)
+        assert again.replay_dead_letters("audit") == 1
+        assert [d.message_id for d in again.available("audit")][-1] == m.message_id
 
 
 def test_dead_letters_replay_and_purge_survive_a_reopen(cursor: Cursor, curdir: Path) -> None:
