@@ -9,6 +9,7 @@ from ._compaction import Compaction
 from ._fileops import FileOps, OsFileOps
 from ._framing import MAX_RECORD_BYTES, SegmentHeader
 from ._gate import Gate
+from ._group_commit import Ticket
 from ._journal import DEFAULT_SEGMENT_BYTES, Journal, JournalStats
 from ._segment import Damage, SegmentReader, list_segments, read_current
 
@@ -24,6 +25,7 @@ __all__ = [
     "OsFileOps",
     "SegmentHeader",
     "SegmentReader",
+    "Ticket",
     "list_segments",
     "read_current",
 ]

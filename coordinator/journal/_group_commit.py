@@ -26,12 +26,13 @@ from coordinator.errors import LogWriteError
 LAZY_BACKLOG_BYTES = 1024 * 1024
 
 
-class _Ticket:
-    __slots__ = ("done", "error", "forced", "frame", "wake")
+class Ticket:
+    __slots__ = ("backlog", "done", "error", "forced", "frame", "wake")
 
     def __init__(self, frame: bytes, forced: bool) -> None:
         self.frame = frame
         self.forced = forced
+        self.backlog = False  # a lazy record that found the queue over LAZY_BACKLOG_BYTES
         self.done = False
         self.error: LogWriteError | None = None
         # A forced ticket's thread sleeps on its own lock (held from birth) until its record is
@@ -40,6 +41,9 @@ class _Ticket:
         if forced:
             self.wake = threading.Lock()
             self.wake.acquire()
+
+    def settled(self) -> bool:
+        return self.done
 
 
 class GroupCommit:
@@ -55,7 +59,7 @@ class GroupCommit:
         self._mutex = threading.Lock()
         self._exclusive_turn = threading.Condition(self._mutex)
         self._serial = threading.Lock()
-        self._queue: list[_Ticket] = []
+        self._queue: list[Ticket] = []
         self._queued_bytes = 0
         self._leading = False
         self._exclusive_waiting = 0
@@ -65,7 +69,7 @@ class GroupCommit:
 
     def submit(self, frame: bytes, force: bool) -> None:
         """Queue a record; if forced, return only once it is durable (or raise why it is not)."""
-        ticket = _Ticket(frame, force)
+        ticket = Ticket(frame, force)
         if force:
             self._force(ticket)
             return
@@ -75,9 +79,34 @@ class GroupCommit:
         if backlog:
             self.sync()
 
+    def enqueue(self, frame: bytes, force: bool) -> Ticket:
+        """The first half of `submit`: queue the record and return at once. Records are written
+        in the order they are queued, so a caller that queues under its own lock and applies the
+        record to its state under the same lock keeps its state in the journal's order; it then
+        calls `wait` outside the lock for the durability a forced record needs."""
+        ticket = Ticket(frame, force)
+        with self._mutex:
+            self._enqueue(ticket)
+            ticket.backlog = not force and self._queued_bytes >= LAZY_BACKLOG_BYTES
+        return ticket
+
+    def wait(self, ticket: Ticket) -> None:
+        """The second half: a forced record returns once durable (or raises why it is not)."""
+        if not ticket.forced:
+            if ticket.backlog:
+                self.sync()
+            return
+        if self._grouped:
+            self._await(ticket)
+        else:
+            with self._serial:
+                self._await(ticket)
+        if ticket.error is not None:
+            raise ticket.error
+
     def sync(self) -> None:
         """Make everything queued so far durable."""
-        self._force(_Ticket(b"", True))
+        self._force(Ticket(b"", True))
 
     def refuse(self, reason: str) -> None:
         """From now on every submission raises ``LogWriteError(durable=False)`` with ``reason``."""
@@ -104,7 +133,7 @@ class GroupCommit:
         finally:
             self._hand_off()
 
-    def _force(self, ticket: _Ticket) -> None:
+    def _force(self, ticket: Ticket) -> None:
         if self._grouped:
             self._lead_or_follow(ticket)
         else:
@@ -113,10 +142,19 @@ class GroupCommit:
         if ticket.error is not None:
             raise ticket.error
 
-    def _lead_or_follow(self, ticket: _Ticket) -> None:
-        assert ticket.wake is not None
+    def _lead_or_follow(self, ticket: Ticket) -> None:
         with self._mutex:
             self._enqueue(ticket)
+        self._await(ticket)
+
+    def _await(self, ticket: Ticket) -> None:
+        """Lead a group or follow one until ``ticket`` is settled. A ticket queued by `enqueue`
+        may have been settled by another leader, or handed the leader role (its wake lock
+        released), before its thread got here: both are found below."""
+        assert ticket.wake is not None
+        with self._mutex:
+            if ticket.settled():
+                return
             follow, self._leading = self._leading, True
         if follow:
             ticket.wake.acquire()  # until settled, or handed the leader role
@@ -129,7 +167,7 @@ class GroupCommit:
         finally:
             self._hand_off()
 
-    def _enqueue(self, ticket: _Ticket) -> None:
+    def _enqueue(self, ticket: Ticket) -> None:
         if self._refusal is not None:
             raise LogWriteError(self._refusal, durable=False)
         self._queue.append(ticket)
@@ -140,11 +178,11 @@ class GroupCommit:
             else:
                 self.lazy_records += 1
 
-    def _take(self) -> list[_Ticket]:
+    def _take(self) -> list[Ticket]:
         batch, self._queue, self._queued_bytes = self._queue, [], 0
         return batch
 
-    def _run(self, batch: list[_Ticket]) -> LogWriteError | None:
+    def _run(self, batch: list[Ticket]) -> LogWriteError | None:
         """Flush one group and settle every ticket in it, whatever happens."""
         error: LogWriteError | None = None
         try:
@@ -159,7 +197,7 @@ class GroupCommit:
         return error
 
     @staticmethod
-    def _settle(batch: list[_Ticket], error: LogWriteError | None) -> None:
+    def _settle(batch: list[Ticket], error: LogWriteError | None) -> None:
         for ticket in batch:
             if error is not None:
                 ticket.error = LogWriteError(error.message, durable=error.durable)

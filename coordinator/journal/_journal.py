@@ -29,7 +29,7 @@ from coordinator.errors import LogError, LogWriteError
 
 from ._fileops import FileOps, OsFileOps, create_file, ensure_dir, fsync_dir, replace_file
 from ._framing import MAX_RECORD_BYTES, SegmentHeader, encode_frame
-from ._group_commit import GroupCommit
+from ._group_commit import GroupCommit, Ticket
 from ._lock import acquire_lock
 from ._recovery import Active, open_directory
 from ._segment import CURRENT, current_contents, list_segments, segment_name
@@ -119,6 +119,25 @@ class Journal:
         if self._poison is not None:
             raise self._poisoned_error()
         self._committer.submit(encode_frame(payload), force)
+
+    def submit(self, payload: bytes, force: bool = True) -> Ticket:
+        """`append` in two halves, for a caller whose state must follow the journal's order:
+        queue the record now (under the caller's lock, where it applies the record too), then
+        `wait` for it outside that lock. The journal writes records in the order they were
+        queued, so the caller's state and a replay see them in the same order."""
+        if len(payload) > self._max_record:
+            raise LogWriteError(
+                f"record of {len(payload)} bytes exceeds the journal's limit of "
+                f"{self._max_record}; nothing was written",
+                durable=False,
+            )
+        if self._poison is not None:
+            raise self._poisoned_error()
+        return self._committer.enqueue(encode_frame(payload), force)
+
+    def wait(self, ticket: Ticket) -> None:
+        """Return once a forced record of `submit` is durable (at once for a lazy one)."""
+        self._committer.wait(ticket)
 
     def flush(self) -> None:
         """Make every record appended so far durable, lazy ones included."""

@@ -17,6 +17,7 @@ from coordinator import (
     Resource,
     Transaction,
     TransactionManager,
+    TransactionRolledBack,
 )
 from coordinator.crashpoints import crash_point
 from resource_managers.cursor import Delivery
@@ -291,9 +292,17 @@ class Session:
                 refused = isinstance(exc, ProgrammingError) and not isinstance(
                     exc, IllegalStateError
                 )
-                if not refused or fresh:  # else the cursor refused the call: nothing happened
-                    self._roll_back("receive failed")
-                raise
+                if refused and not fresh:  # the cursor refused the call: nothing happened
+                    raise
+                self._roll_back("receive failed")
+                if fresh or isinstance(exc, TransactionRolledBack):
+                    raise
+                # the open transaction held other work (sends, receipts, joined resources): say
+                # that all of it is gone, so no retry commits half of the unit of work
+                raise TransactionRolledBack(
+                    f"the session's transaction rolled back: a receive failed ({exc})",
+                    reason="error",
+                ) from exc
             if got:
                 crash_point(f"session.{self.mode.value}.after_receive")
                 return got

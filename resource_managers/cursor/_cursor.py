@@ -43,13 +43,21 @@ from coordinator.errors import (
     ProgrammingError,
     TransactionRolledBack,
 )
-from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
+from coordinator.journal import (
+    DEFAULT_SEGMENT_BYTES,
+    Compaction,
+    FileOps,
+    Gate,
+    Journal,
+    Ticket,
+)
 from resource_managers.message_log import VOLATILE_SUFFIX, Message, validate_destination
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
 
 from ._records import DLQ_SUFFIX, decode, encode, message_obj
 from ._state import CursorState, Entry, SubscriptionState
 from ._topics import (
+    TOPIC_PREFIX,
     Subscription,
     TopicPublication,
     is_topic,
@@ -186,11 +194,9 @@ class Cursor:
                     raise IllegalStateError(
                         f"stream {frame.stream!r} moved since the offer", stream=frame.stream
                     )
-            record = self._accept_record(message, decision)
-            self._append(record, force=not frame.stream.endswith(VOLATILE_SUFFIX))
+            self._persist_batch([(self._accept_record(message, decision), decision)])
             with self._lock:
-                ack = self._filter.accepted(decision)
-                self.changed.notify_all()
+                ack = self._filter.ack_for(frame.stream)
         self._compaction.maybe()
         return ack
 
@@ -237,12 +243,23 @@ class Cursor:
         self._compaction.maybe()
         return acks
 
-    @staticmethod
-    def _accept_record(message: Message, decision: Decision) -> dict[str, Any]:
-        return {"k": "M", "q": decision.frame.stream, "e": decision.after.epoch,
-                "n": decision.after.last, "o": message_obj(message)}  # fmt: skip
+    def _accept_record(self, message: Message, decision: Decision) -> dict[str, Any]:
+        """The ``M`` record, with the seed-004 verdict in it (``j``: rejected, a transactional
+        message at a non-transactional queue) so that applying it never depends on the queue's
+        kind at that moment: an ``M`` is written before it is applied, and a ``T`` may land
+        between the two."""
+        record = {"k": "M", "q": decision.frame.stream, "e": decision.after.epoch,
+                  "n": decision.after.last, "o": message_obj(message)}  # fmt: skip
+        with self._lock:
+            if message.transactional and message.destination in self._state.non_transactional:
+                record["j"] = True
+        return record
 
     def _persist_batch(self, records: list[tuple[dict[str, Any], Decision]]) -> None:
+        """Write accepted messages, then adopt them: unlike `_append`, an ``M`` is applied only
+        once durable, because adopting it advances the stream's filter, and a filter ahead of
+        the disk would re-acknowledge, as duplicates, resends of messages the cursor never
+        wrote."""
         durable = [i for i, (r, _) in enumerate(records) if not r["q"].endswith(VOLATILE_SUFFIX)]
         last_forced = durable[-1] if durable else -1
         self._gate.enter_shared()
@@ -288,12 +305,10 @@ class Cursor:
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    dropped, record, taken = self._reserve(gid, queue, max_messages)
-                if dropped is not None:
-                    self._write(dropped, force=False)
-                if record is not None:
+                    ticket, taken = self._reserve(gid, queue, max_messages)
+                if ticket is not None:
                     try:
-                        self._write(record, force=True)
+                        self._wait(ticket)
                     except BaseException:
                         with self._lock:
                             for entry in reversed(taken):
@@ -313,9 +328,10 @@ class Cursor:
 
     def _reserve(
         self, gid: str, queue: str, max_messages: int
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[Entry]]:
-        """Under the lock: drop the expired head, reserve the next messages for ``gid`` (no
-        other consumer gets them); the records to write for both."""
+    ) -> tuple[Ticket | None, list[Entry]]:
+        """Under the lock: move the expired head to the dead-letter queue, reserve the next
+        messages for ``gid`` (no other consumer gets them): both records queued and applied in
+        journal order; the forced ``H``'s ticket to wait for outside the lock."""
         if gid in self._state.tombstones:
             raise BranchRolledBack(f"{gid} was rolled back (tombstone)")
         if gid in self._state.prepared:
@@ -325,16 +341,16 @@ class Cursor:
                 f"{queue!r} is a topic: receive from a subscription's queue "
                 "(subscription_queue(topic, name))"
             )
-        dropped = record = None
         now = self._clock()
         expired = self._state.expired_head(queue, now)
         if expired:
             reason = f"expired: its time to live ran out before delivery (seen at {now} ms)"
-            self._state.apply(dropped := {"k": "W", "i": expired, "r": reason})
+            self._submit_locked({"k": "W", "i": expired, "r": reason}, force=False)
         ids = list(itertools.islice(self._state.available.get(queue, ()), max_messages))
-        if ids:
-            self._state.apply(record := {"k": "H", "g": gid, "i": ids, "c": 1})
-        return dropped, record, [self._state.entries[mid] for mid in ids]
+        if not ids:
+            return None, []
+        ticket = self._submit_locked({"k": "H", "g": gid, "i": ids, "c": 1}, force=True)
+        return ticket, [self._state.entries[mid] for mid in ids]
 
     def _unhand(self, gid: str, entry: Entry) -> None:
         """Undo a reservation whose record failed (if it was written after all, the replay
@@ -620,8 +636,10 @@ class Cursor:
         a non-transactional queue is rejected into its dead-letter queue, and a negative
         acknowledgment goes to the administration queue the message named (seed 004)."""
         validate_destination(queue)
-        if is_topic(queue):
-            raise ProgrammingError(f"{queue!r} is a topic; a subscription's queue is transactional")
+        if queue.startswith(TOPIC_PREFIX):
+            raise ProgrammingError(
+                f"{queue!r} is a topic or a subscription's queue: those are always transactional"
+            )
         if self.is_transactional(queue) != transactional:
             self._append({"k": "T", "u": queue, "v": transactional}, force=True)
 
@@ -673,22 +691,43 @@ class Cursor:
     # -- the journal ---------------------------------------------------------------------------
 
     def _append(self, record: dict[str, Any], force: bool) -> None:
-        """Write, then apply, inside the gate (a rollover never sees one without the other)."""
+        """Queue and apply under the lock, then wait for durability outside it, all inside the
+        gate (a rollover never sees one without the other). Queue order is the journal's write
+        order, so the state applies records in the order a replay will: a decision taken in an
+        ``apply`` (a dead letter replayed or not, a copy made or skipped) comes out the same.
+        A forced record that then fails poisons the journal: nothing later is written, and the
+        next open rebuilds the state from what the disk holds."""
         self._gate.enter_shared()
         try:
-            self._write(record, force)
             with self._lock:
-                self._state.apply(record)
+                ticket = self._submit_locked(record, force)
+            self._wait(ticket)
         finally:
             self._gate.exit_shared()
+
+    def _submit_locked(self, record: dict[str, Any], force: bool) -> Ticket:
+        """Under the lock (and the gate): queue ``record`` and apply it."""
+        try:
+            ticket = self._journal.submit(encode(record), force)
+        except LogWriteError as exc:
+            raise self._located(exc) from exc
+        self._state.apply(record)
+        return ticket
+
+    def _wait(self, ticket: Ticket) -> None:
+        try:
+            self._journal.wait(ticket)
+        except LogWriteError as exc:
+            raise self._located(exc) from exc
 
     def _write(self, record: dict[str, Any], force: bool) -> None:
         try:
             self._journal.append(encode(record), force)
         except LogWriteError as exc:
-            raise LogWriteError(
-                f"cursor {self.directory}: {exc.message}", durable=exc.durable
-            ) from exc
+            raise self._located(exc) from exc
+
+    def _located(self, exc: LogWriteError) -> LogWriteError:
+        return LogWriteError(f"cursor {self.directory}: {exc.message}", durable=exc.durable)
 
     def _carry(self) -> list[bytes]:
         """Every live record, for `Compaction`; tombstones past their time are left behind."""

@@ -4,9 +4,10 @@ with one-letter keys, ASCII, bodies in base64; a record that passes its CRC but 
 
 Kinds (``k``):
 
-- ``M`` accepted: ``q`` stream, ``e`` epoch, ``n`` sequence number, ``o`` the message. The message
-  and the stream's new filter state (``e``, ``n``) in one forced write: persist before acking
-  (lazy for a non-persistent stream, ``<destination>#np``).
+- ``M`` accepted: ``q`` stream, ``e`` epoch, ``n`` sequence number, ``o`` the message; ``j``
+  true if the message was rejected (a transactional message at a non-transactional queue). The
+  message and the stream's new filter state (``e``, ``n``) in one forced write: persist before
+  acking (lazy for a non-persistent stream, ``<destination>#np``).
 - ``H`` handed out: ``g`` gid, ``i`` message ids, ``c`` 1 (a delivery: each count + 1, forced) or
   0 (carried by rollover: no count).
 - ``P`` prepare: ``g``, ``i`` the ids the branch deletes (forced).
@@ -106,7 +107,7 @@ def _pairs(value: object) -> None:
 _CHECKS: dict[str, Any] = {
     "q": _str, "e": _int, "n": _int, "o": to_message, "g": _str, "i": _strs, "c": _int,
     "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str, "v": _bool,
-    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs,
+    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs, "j": _bool,
 }  # fmt: skip
 _SCHEMA: dict[str, tuple[str, ...]] = {
     "M": ("q", "e", "n", "o"),
@@ -129,4 +130,4 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "Y": ("i",),
     "Z": ("i",),
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {"Q": ("y", "h")}
+_OPTIONAL: dict[str, tuple[str, ...]] = {"Q": ("y", "h"), "M": ("j",)}

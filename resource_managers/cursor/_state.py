@@ -4,8 +4,10 @@ Every ``apply`` is idempotent (a rollover that crashed before deleting its old s
 carried records a second time): an ``M`` at or below its stream's filter state, a ``Q`` of a
 message already present, an ``H`` of a message not available, a ``P`` of ids already prepared,
 a ``K`` already in the monitor queue, all change nothing. Every decision an ``apply`` takes
-(reject a transactional message at a non-transactional queue, skip a copy for a subscription
-that is gone) depends only on records before it, so the replay takes the same decision.
+(replay a dead letter or not, skip a copy for a subscription that is gone) depends only on
+records before it, and the live cursor applies records in the journal's order (`Cursor._append`
+queues and applies under one lock), so a replay takes the same decision. The one record applied
+after its write, ``M`` (its filter must not run ahead of the disk), carries its verdict.
 
 Entries are keyed by ``key``: the message id for a queue's message, ``<id>@<queue>`` for a
 topic copy (one per subscription; the copies share the message, and its id is what consumers
@@ -284,7 +286,7 @@ class CursorState:
         if message.message_id in self.entries:
             return
         entry = Entry(message, self.next_order)
-        if message.transactional and message.destination in self.non_transactional:
+        if r.get("j"):  # the verdict the cursor took when it wrote the record
             entry.queue = message.destination + DLQ_SUFFIX
             entry.reason = REJECTED.format(queue=message.destination)
             self._add(entry)
@@ -382,17 +384,21 @@ class CursorState:
 
     def _commit(self, gid: str, keys: list[str]) -> None:
         self.committed.add(gid)
-        self.handed.pop(gid, None)
-        self.prepared.pop(gid, None)
+        others = self._end_branch(gid, keys)
         for key in keys:
             entry = self.entries.pop(key, None)
             if entry is not None:
                 self._unqueue(entry)
+        self._put_back(others)
 
-    def _rollback(self, gid: str, at: int, keys: list[str], moves: list[list[str]]) -> None:
-        self.tombstones[gid] = at
-        self.handed.pop(gid, None)
-        self.prepared.pop(gid, None)
+    def _end_branch(self, gid: str, keys: list[str]) -> list[str]:
+        """Forget branch ``gid``; the keys it held that its ending record does not name (taken
+        by a receive that raced the commit or rollback): they must not be left in limbo."""
+        held = [*self.handed.pop(gid, ()), *self.prepared.pop(gid, ())]
+        named = set(keys)
+        return [key for key in held if key not in named]
+
+    def _put_back(self, keys: list[str]) -> None:
         for key in keys:
             entry = self.entries.get(key)
             if entry is None or key in self.queue(entry.queue):
@@ -401,6 +407,11 @@ class CursorState:
                 del self.entries[key]  # a copy whose (non-durable) subscription is gone
             else:
                 self._make_available(entry)
+
+    def _rollback(self, gid: str, at: int, keys: list[str], moves: list[list[str]]) -> None:
+        self.tombstones[gid] = at
+        others = self._end_branch(gid, keys + [key for key, _ in moves])
+        self._put_back(keys + others)
         for key, reason in moves:
             entry = self.entries.get(key)
             if entry is not None and entry.reason is None:

@@ -287,3 +287,41 @@ def test_a_non_persistent_publication_is_forced_only_for_a_disconnected_durable_
     assert cursor.stats().forced_records == before
     cursor.deliver_copy(m.message_id, subscription_queue(TOPIC, "away"), "w")
     assert cursor.stats().forced_records == before + 1
+
+
+# -- replay determinism: an apply never depends on what a concurrent writer did ---------------
+
+
+def test_the_reject_verdict_travels_in_the_record_not_in_the_queue_kind_at_apply_time() -> None:
+    """Seed 004's rejection is decided when the cursor writes the ``M`` record: a ``T`` that
+    lands between the write and the apply (or before it in a replay) cannot change it."""
+    from resource_managers.cursor._records import message_obj
+    from resource_managers.cursor._state import CursorState
+
+    m = Message(uuid.uuid4().hex, "audit", b"x", {ADMIN_QUEUE_HEADER: "admin"})
+    record = {"k": "M", "q": "audit", "e": 1, "n": 1, "o": message_obj(m)}
+    for verdict in (False, True):
+        state = CursorState()
+        state.apply({"k": "T", "u": "audit", "v": False})  # the queue kind changed meanwhile
+        state.apply(record | ({"j": True} if verdict else {}))
+        assert (m.message_id in state.queue("audit.DLQ")) is verdict
+        assert (m.message_id in state.queue("audit")) is not verdict
+        assert (len(state.queue("admin")) == 1) is verdict
+
+
+def test_a_commit_or_rollback_leaves_nothing_in_limbo_that_a_racing_receive_took() -> None:
+    """A receive that raced the end of its own branch (the branch's record names only what it
+    held when the record was made): what the record does not name goes back to its queue."""
+    from resource_managers.cursor._records import message_obj
+    from resource_managers.cursor._state import CursorState
+
+    for end in ({"k": "C", "g": "g", "i": ["a"]},
+                {"k": "R", "g": "g", "t": 1, "i": ["a"], "x": []}):  # fmt: skip
+        state = CursorState()
+        for n, mid in enumerate(("a", "b"), 1):
+            msg = Message(mid, "orders", b"", {})
+            state.apply({"k": "M", "q": "orders", "e": 1, "n": n, "o": message_obj(msg)})
+        state.apply({"k": "H", "g": "g", "i": ["a"], "c": 1})
+        state.apply({"k": "H", "g": "g", "i": ["b"], "c": 1})  # taken after the end was made
+        state.apply(end)
+        assert "b" in state.queue("orders") and state.handed == {}
