@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from coordinator.errors import IllegalStateError, TransactionError
 from messaging.connection import Connection
 from messaging.frames import Value
-from resource_managers.cursor import Cursor, Subscription
+from resource_managers.cursor import Cursor
 
 from .protocol import (
     BadRequestError,
@@ -109,11 +109,7 @@ class CursorAdmin:
         if arg_bool(args, "durable", True):
             return {"subscription": subscription_to_value(self.cursor.subscribe(topic, name))}
         with self._lock:  # non-durable: this connection holds it (see the module docstring)
-            existing = self._find(topic, name)
-            if existing is not None and not existing.durable:
-                found = self.cursor.attach(topic, name)  # shared: one more holder
-            else:  # new (starts with one attachment), or refused for the durable one
-                found = self.cursor.subscribe(topic, name, durable=False)
+            found = self.cursor.subscribe(topic, name, durable=False)  # new or one more holder
             self._hold(token, conn, (topic, name))
         return {"subscription": subscription_to_value(found)}
 
@@ -150,12 +146,6 @@ class CursorAdmin:
             if not held[(topic, name)]:
                 del held[(topic, name)]
         return {}
-
-    def _find(self, topic: str, name: str) -> Subscription | None:
-        for s in self.cursor.subscriptions(topic):
-            if s.name == name:
-                return s
-        return None
 
     def _hold(self, token: int, conn: Connection, key: Key) -> None:
         held = self._held.setdefault(token, Counter())

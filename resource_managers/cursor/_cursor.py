@@ -478,6 +478,8 @@ class Cursor:
                 if existing.durable != durable:
                     kind = "durable" if existing.durable else "non-durable"
                     raise IllegalStateError(f"subscription {queue!r} exists and is {kind}")
+                if not durable:  # one more subscriber shares it: it lives until the last detach
+                    self._attached[queue] += 1
                 return self._subscription(existing, queue)
             if not durable:
                 self._state.subscriptions[queue] = SubscriptionState(topic, name, False)

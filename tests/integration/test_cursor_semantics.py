@@ -325,3 +325,16 @@ def test_a_commit_or_rollback_leaves_nothing_in_limbo_that_a_racing_receive_took
         state.apply({"k": "H", "g": "g", "i": ["b"], "c": 1})  # taken after the end was made
         state.apply(end)
         assert "b" in state.queue("orders") and state.handed == {}
+
+
+def test_a_shared_non_durable_subscription_lives_until_its_last_subscriber_detaches(
+    cursor: Cursor,
+) -> None:
+    """Seed 003: non-durable subscribers get what arrives while they are connected; two local
+    subscribers of one non-durable subscription keep it until both are gone."""
+    cursor.subscribe(TOPIC, "shared", durable=False)
+    cursor.subscribe(TOPIC, "shared", durable=False)
+    cursor.detach(TOPIC, "shared")
+    assert [s.connected for s in cursor.subscriptions()] == [True]
+    cursor.detach(TOPIC, "shared")
+    assert cursor.subscriptions() == []
