@@ -110,21 +110,17 @@ class Journal:
     def append(self, payload: bytes, force: bool = True) -> None:
         """Append one record. Forced: returns once it is durable. Lazy: returns at once; it is
         written with the next forced group, `flush` or `close`, and lost if we crash first."""
-        if len(payload) > self._max_record:
-            raise LogWriteError(
-                f"record of {len(payload)} bytes exceeds the journal's limit of "
-                f"{self._max_record}; nothing was written",
-                durable=False,
-            )
-        if self._poison is not None:
-            raise self._poisoned_error()
-        self._committer.submit(encode_frame(payload), force)
+        self._committer.submit(self._frame(payload), force)
 
     def submit(self, payload: bytes, force: bool = True) -> Ticket:
         """`append` in two halves, for a caller whose state must follow the journal's order:
         queue the record now (under the caller's lock, where it applies the record too), then
         `wait` for it outside that lock. The journal writes records in the order they were
         queued, so the caller's state and a replay see them in the same order."""
+        return self._committer.enqueue(self._frame(payload), force)
+
+    def _frame(self, payload: bytes) -> bytes:
+        """The checks every appended record passes, then its frame."""
         if len(payload) > self._max_record:
             raise LogWriteError(
                 f"record of {len(payload)} bytes exceeds the journal's limit of "
@@ -133,7 +129,7 @@ class Journal:
             )
         if self._poison is not None:
             raise self._poisoned_error()
-        return self._committer.enqueue(encode_frame(payload), force)
+        return encode_frame(payload)
 
     def wait(self, ticket: Ticket) -> None:
         """Return once a forced record of `submit` is durable (at once for a lazy one)."""
