@@ -66,10 +66,10 @@ def commit(tx: Transaction) -> Outcome:
     try:
         left = tx.remaining()
         if left is None or tx.manager.inline_completion:
-            outcome = _complete(tx)
+            outcome = _settling(tx)
         else:
             # copy_context: hooks and resources see the caller's context variables there too
-            job = tx.manager.executor().submit(contextvars.copy_context().run, _complete, tx)
+            job = tx.manager.executor().submit(contextvars.copy_context().run, _settling, tx)
             outcome = _wait(tx, job, left)
     finally:
         tx.manager.metrics.observe("commit", time.perf_counter() - started)
@@ -120,6 +120,16 @@ def _late(tx: Transaction, state: TxState) -> Outcome:
     return Outcome.COMMIT_PENDING
 
 
+def _settling(tx: Transaction) -> Outcome:
+    """`_complete`, marking the transaction settled however it ends: a retry that waits for the
+    attempt to settle must never wait on a job that died of an unexpected error."""
+    try:
+        return _complete(tx)
+    finally:
+        if not tx.reaped:  # else the reaper's rollback is the completion, and settles it
+            tx._settled.set()
+
+
 def _complete(tx: Transaction) -> Outcome:
     if tx.reaped:  # the reaper rolled it back (or is doing so) while its owner was away
         raise tx.rolled_back_error("commit refused: abandoned past its timeout, rolled back")
@@ -151,8 +161,11 @@ def rollback(tx: Transaction) -> None:
             return
         tx.move_to(TxState.ROLLING_BACK)
     tx.rollback_reason = tx.rollback_reason or "application"
-    _rollback_branches(tx, [b.resource.name for b in tx.ordered_branches()])
-    _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
+    try:
+        _rollback_branches(tx, [b.resource.name for b in tx.ordered_branches()])
+        _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
+    finally:
+        tx._settled.set()
 
 
 def _before_completion(tx: Transaction) -> None:
@@ -408,7 +421,10 @@ def _rollback_branches(tx: Transaction, names: list[str]) -> None:
         except Exception as exc:
             log.warning("rollback of %s failed, recovery will retry: %r", branch.xid, exc)
             tx.manager.metrics.incr("rollback_unreachable")
+            tx.unconfirmed.add(name)
             reported = None
+        else:
+            tx.unconfirmed.discard(name)
         if reported == Outcome.HEURISTIC_COMMIT:
             record_heuristic(tx.manager.log, tx.gtrid, name, reported)
         crash_point(f"tm.after_rollback.{index}")
@@ -424,4 +440,5 @@ def _finish(tx: Transaction, state: TxState, outcome: Outcome | None) -> Outcome
             sync.after_completion(outcome or Outcome.HEURISTIC_HAZARD)
         except Exception:
             log.exception("after-completion hook of %s failed (ignored)", tx.gtrid)
+    tx._settled.set()
     return outcome or Outcome.HEURISTIC_HAZARD

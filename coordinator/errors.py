@@ -71,6 +71,15 @@ class TransientError(TransactionError):
     code = "transient"
 
 
+class UnsettledError(TransientError):
+    """Nothing was done: an earlier attempt of this manager may still hold its work (a
+    completion still waiting for a branch, a rollback not confirmed), and going on now would
+    overtake it (a consumer would receive the messages behind the held ones first). Retry once
+    `TransactionManager.settle` returns True."""
+
+    code = "unsettled"
+
+
 class TransactionRolledBack(TransactionError):
     """The transaction rolled back; ``reason`` says why (vote, timeout, rollback-only, error)."""
 

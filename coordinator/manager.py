@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -98,6 +99,8 @@ class TransactionManager:
     ``sub_branch_grace``: seconds before recovery presumes a stamped sub-branch (one begun by a
     process this manager does not know, such as a Spark executor) aborted; longer than such a
     process can take from its prepare to its coordinator's decision (`coordinator.xid`).
+    ``settle_timeout``: how long `run` waits, before a retry, for the failed attempt to settle
+    (its completion to end and every branch to confirm its rollback; see `await_settled`).
     """
 
     def __init__(
@@ -117,8 +120,12 @@ class TransactionManager:
         abandon_after: float = 60.0,
         backoff: Backoff | None = None,
         sub_branch_grace: float = 900.0,
+        settle_timeout: float = 60.0,
     ) -> None:
+        if not settle_timeout > 0:
+            raise ProgrammingError("settle_timeout must be > 0 seconds")
         self.node_id = node_id
+        self.settle_timeout = settle_timeout
         self.log = log
         self.default_timeout = default_timeout
         self.parallel = parallel
@@ -132,6 +139,8 @@ class TransactionManager:
         self._in_flight: dict[str, Transaction] = {}
         self._custom_since_snapshot: set[str] = set()
         self._unknown: set[str] = set()
+        #: ended attempts with a branch that did not confirm its rollback (see `unsettled`)
+        self._loose: dict[str, Transaction] = {}
         self._log_error: LogWriteError | None = None
         self._max_workers = max_workers
         self._pools: dict[str, ThreadPoolExecutor] = {}
@@ -229,7 +238,14 @@ class TransactionManager:
     ) -> T:
         """Run ``work`` in a transaction, retrying the whole of it on a transient error.
 
-        A retry is safe only because the failed attempt rolled back completely; an
+        A retry is safe only once the failed attempt rolled back completely, so before each retry
+        `run` waits (up to ``settle_timeout``) for the attempt to settle (`await_settled`): a
+        caller that timed out while a branch was preparing leaves a completion job still waiting
+        for that branch's answer, and a branch that did not confirm its rollback may still hold
+        the attempt's locks or messages. Retrying at once would let the next attempt overtake
+        the work the first still holds (a consumer would take message k+1 before k comes back).
+        An attempt that does not settle in time is not retried: its error is raised, and
+        `unsettled` lists it until `settle` (or recovery) resolves it. An
         `OutcomeUnknownError` is never retried, since the attempt may have committed.
         """
         backoff = ExponentialBackoff(base=0.05, cap=2.0)
@@ -241,9 +257,85 @@ class TransactionManager:
             except Exception as exc:
                 if attempt == tries or not self._is_transient(exc, tx):
                     raise
+                if tx is not None and not self.await_settled(tx, self.settle_timeout):
+                    log.warning("%s did not settle in %.1fs; not retried", tx.gtrid,
+                                self.settle_timeout)  # fmt: skip
+                    raise
                 self.metrics.incr("retries")
                 time.sleep(backoff.compute(attempt))
         raise AssertionError("unreachable")
+
+    def await_settled(self, tx: Transaction, timeout: float | None = None) -> bool:
+        """Wait until nothing of ``tx`` can still hold its work; False if ``timeout`` ran out.
+
+        Settled means: its completion has ended (a caller that timed out may have left while
+        the completion job still waits for a branch), and, if it rolled back, every branch
+        confirmed the rollback. Branches that did not are told again, with back-off, until they
+        answer (rollback is idempotent, and presumed abort makes it the only possible outcome
+        of an attempt without a commit decision). A committed or unknown outcome is never rolled
+        back here: it is settled once completion has ended (recovery finishes the rest).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not tx.wait_settled(timeout):
+            return False
+        if tx.state != TxState.ROLLED_BACK or not tx.unconfirmed:
+            return True
+        backoff = ExponentialBackoff(base=0.05, cap=1.0)
+        for attempt in itertools.count(1):
+            for name in sorted(tx.unconfirmed):
+                branch = tx.branches[name]
+                try:
+                    branch.resource.rollback(branch.xid)
+                except Exception as exc:
+                    log.debug("rollback of %s still unconfirmed: %r", branch.xid, exc)
+                else:
+                    tx.unconfirmed.discard(name)
+            if not tx.unconfirmed:
+                with self._lock:
+                    self._loose.pop(tx.gtrid, None)
+                return True
+            pause = backoff.compute(attempt)
+            if deadline is not None and time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def unsettled(self) -> list[str]:
+        """Gtrids of attempts this manager began that may still hold work although their
+        caller has moved on: a completion still running after its caller timed out (or after
+        the reaper took it over), or a rollback some branch never confirmed. A consumer that
+        must keep a stream's order receives nothing more until this is empty (`settle`)."""
+        with self._lock:
+            running = [
+                tx.gtrid for tx in self._in_flight.values() if tx.caller_gave_up or tx.reaped
+            ]
+            return sorted({*running, *self._loose})
+
+    def settle(self, timeout: float | None = None, *, stop: threading.Event | None = None) -> bool:
+        """Until `unsettled` is empty and a recovery pass finds nothing of this manager's left
+        in doubt; returns False if ``timeout`` ran out (None: no limit) or ``stop`` was set.
+
+        What it waits for: abandoned completions to end, unconfirmed rollbacks to be confirmed
+        (`await_settled`), and recovery to resolve what those cannot reach (a branch prepared
+        behind a lost answer). A store that is down keeps it waiting: going on would hand the
+        work behind the held one out first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for gtrid in self.unsettled():
+                with self._lock:
+                    tx = self._in_flight.get(gtrid) or self._loose.get(gtrid)
+                if tx is not None:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self.await_settled(tx, left if left is None else min(left, 1.0))
+            if self.recover(force=True).clean and not self.unsettled():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if stop is not None and stop.wait(0.2):
+                return False
+            if stop is None:
+                time.sleep(0.2)
 
     @staticmethod
     def _is_transient(exc: BaseException, tx: Transaction | None) -> bool:
@@ -278,6 +370,8 @@ class TransactionManager:
             self._in_flight.pop(tx.gtrid, None)
             if tx.state == TxState.UNKNOWN:
                 self._unknown.add(tx.gtrid)
+            if tx.unconfirmed:
+                self._loose[tx.gtrid] = tx
         self.metrics.incr(
             f"outcome_{(tx.outcome.value if tx.outcome else 'unknown').replace('-', '_')}"
         )
@@ -321,7 +415,17 @@ class TransactionManager:
         """One recovery pass (see `recovery`); passes never overlap."""
         with self._recovery_lock:
             guard = _Guard(self)
-            return self._recovery.run(guard, presume_abort=self._log_error is None, force=force)
+            with self._lock:
+                loose = list(self._loose)
+            presume = self._log_error is None
+            report = self._recovery.run(guard, presume_abort=presume, force=force)
+            if report.clean and presume and loose:
+                # every resource answered and every prepared branch of ours was resolved: what
+                # ended loose before this pass holds nothing prepared any more
+                with self._lock:
+                    for gtrid in loose:
+                        self._loose.pop(gtrid, None)
+            return report
 
     def in_doubt(self) -> list[InDoubt]:
         now = time.time()

@@ -80,7 +80,12 @@ class Transaction:
         self.one_phase = False
         #: rolled back by the reaper behind its owner's back: the owner must hear so, not commit
         self.reaped = False
+        #: branches told to roll back that did not confirm it: they may still hold this attempt's
+        #: work (locks, messages handed out) until a later rollback or recovery reaches them
+        self.unconfirmed: set[str] = set()
         self._lock = threading.RLock()
+        #: set once completion stopped running (final state reached, or its job ended)
+        self._settled = threading.Event()
 
     def __repr__(self) -> str:
         return f"<Transaction {self.gtrid} {self.state.value} branches={sorted(self.branches)}>"
@@ -133,6 +138,16 @@ class Transaction:
 
     def rollback(self) -> None:
         _completion.rollback(self)
+
+    @property
+    def settled(self) -> bool:
+        """True once nothing is completing this transaction any more. A caller that timed out
+        can leave before that: its completion job still waits for a branch's answer."""
+        return self._settled.is_set()
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Wait until `settled` (at most ``timeout`` seconds); returns `settled`."""
+        return self._settled.wait(timeout)
 
     # -- helpers for the driver and the reaper -----------------------------------------------
 

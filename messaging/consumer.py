@@ -10,25 +10,33 @@ cursor's ``max_deliveries`` they move to the dead-letter queue, so one poison me
 the destination for ever. A transient failure (a serialization conflict, a full destination) is
 retried by `TransactionManager.run`.
 
-After a round that failed inside two-phase commit (a prepare whose answer was lost, a cursor
-that crashed), the round's messages may sit in a prepared branch until recovery rolls it back.
-Receiving on at once would hand out the messages behind them first and break the stream's order
-for a single consumer; so the loop first `settle`s: it runs recovery until nothing of its own is
-in doubt, and the rolled-back messages are back in their place, ahead of the rest.
+After a round that failed inside two-phase commit (a prepare whose answer was late or lost, a
+cursor that crashed, a rollback the cursor never confirmed), the round's messages may sit in a
+branch until it is rolled back. Receiving on at once would hand out the messages behind them
+first and break the stream's order for a single consumer. Three guards keep it:
+
+- `TransactionManager.run` retries a failed round only once it has settled (its completion ended,
+  every rollback confirmed), so a retry never overtakes the round it replaces;
+- `consume_once` receives nothing while its manager lists anything `unsettled` (a round that
+  `run` gave up on): it settles first (`TransactionManager.settle`, bounded by the manager's
+  ``settle_timeout``) and raises `UnsettledError`, having done nothing, if that runs out;
+- the `Consumer` loop settles after any failed round, waiting as long as it takes.
+
+So a hand-written loop of `consume_once` calls keeps the order without doing anything more; it may
+catch `UnsettledError` (a store is down) and call again later.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 from coordinator import Transaction, TransactionManager
-from coordinator.errors import TransactionError
+from coordinator.errors import TransactionError, UnsettledError
 from resource_managers.cursor import Delivery
 
 log = logging.getLogger("twopc.consumer")
@@ -47,7 +55,10 @@ def consume_once(
     tries: int = 3,
 ) -> int:
     """One round: how many messages were handled and committed (0 if none came within
-    ``timeout``). Exceptions of the handler propagate after the rollback."""
+    ``timeout``). Exceptions of the handler propagate after the rollback. Raises
+    `UnsettledError` without receiving if an earlier round may still hold messages and does not
+    settle within the manager's ``settle_timeout`` (see the module docstring)."""
+    require_settled(tm)
 
     def work(tx: Transaction) -> int:
         deliveries = tx.join(cursor).receive_many(destination, batch, timeout)
@@ -58,14 +69,21 @@ def consume_once(
     return tm.run(work, tries=tries)
 
 
+def require_settled(tm: TransactionManager) -> None:
+    """Return at once if nothing of ``tm`` is unsettled, else settle it (at most the manager's
+    ``settle_timeout``) or raise `UnsettledError`: a receive now could overtake held messages."""
+    if tm.unsettled() and not tm.settle(tm.settle_timeout):
+        raise UnsettledError(
+            f"earlier transactions may still hold messages ({', '.join(tm.unsettled()[:5])}); "
+            "nothing was received: call tm.settle() and try again",
+        )
+
+
 def settle(tm: TransactionManager, stop: threading.Event | None = None) -> None:
-    """Run recovery until nothing of this manager is in doubt (retrying while a store is down).
-    Waits for ever unless ``stop`` is set: handing out later messages first is the alternative."""
-    while not tm.recover(force=True).clean:
-        if stop is not None and stop.wait(0.2):
-            return
-        if stop is None:
-            time.sleep(0.2)
+    """Until nothing of this manager is unsettled or in doubt (`TransactionManager.settle`),
+    retrying while a store is down. Waits for ever unless ``stop`` is set: handing out later
+    messages first is the alternative."""
+    tm.settle(stop=stop)
 
 
 class Consumer:

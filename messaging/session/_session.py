@@ -20,6 +20,7 @@ from coordinator import (
     TransactionRolledBack,
 )
 from coordinator.crashpoints import crash_point
+from messaging.consumer import require_settled
 from resource_managers.cursor import Delivery
 from resource_managers.message_log import validate_destination
 
@@ -412,7 +413,11 @@ class Session:
     # -- transactions ----------------------------------------------------------------------------
 
     def _begin(self) -> Transaction:
-        """A new transaction that is nobody's current one (see the package docstring)."""
+        """A new transaction that is nobody's current one (see the package docstring). Not while
+        an earlier one may still hold messages (a commit that timed out while the cursor was
+        preparing, a rollback it never confirmed): receiving now would overtake them, so the
+        manager settles first, or `UnsettledError` says nothing was done."""
+        require_settled(self.tm)
         if self._tx_timeout is None:
             return contextvars.Context().run(self.tm.begin)
         return contextvars.Context().run(self.tm.begin, self._tx_timeout)

@@ -3,7 +3,7 @@
     python tests/crash/msg_worker.py produce --log HOST:PORT --pg URL --id P --state DIR
         --txs N --per-tx K --rollback-every R --destination D
     python tests/crash/msg_worker.py consume --cursor HOST:PORT --pg URL --id C --state DIR
-        --batch B --destination D --stop-file F
+        --batch B --destination D --stop-file F [--tx-timeout S] [--rpc-timeout S]
 
 Both use a `TransactionManager` with a file decision log in ``--state`` over PostgreSQL and a
 remote store (`RemoteMessageLog` / `RemoteCursor`), and recover on start until clean, as a
@@ -61,7 +61,9 @@ def secret() -> SharedSecret:
     return SharedSecret(os.environ["TWOPC_SECRET"].encode())
 
 
-def manager(node: str, state: str, resources: list[object]) -> TransactionManager:
+def manager(
+    node: str, state: str, resources: list[object], timeout: float = 30.0
+) -> TransactionManager:
     Path(state).mkdir(parents=True, exist_ok=True)
     tm = TransactionManager(
         node,
@@ -70,7 +72,7 @@ def manager(node: str, state: str, resources: list[object]) -> TransactionManage
         recovery_interval=0.5,
         reaper_interval=None,
         recover_on_start=False,
-        default_timeout=30,
+        default_timeout=timeout,
     )
     while not tm.recover(force=True).clean:  # the servers may still be restarting
         time.sleep(0.2)
@@ -130,8 +132,11 @@ def _produce_one(
 def consume(args: argparse.Namespace) -> int:
     engine = create_engine(args.pg, pool_size=2)
     pg = PostgresResource(engine, "pg")
-    cursor = RemoteCursor(parse_address(args.cursor), secret(), client_id=f"consumer-{args.id}")
-    tm = manager(f"consumer-{args.id}", args.state, [pg, cursor])
+    cursor = RemoteCursor(
+        parse_address(args.cursor), secret(), client_id=f"consumer-{args.id}",
+        timeout=args.rpc_timeout,
+    )  # fmt: skip
+    tm = manager(f"consumer-{args.id}", args.state, [pg, cursor], args.tx_timeout)
 
     def handle(tx: Transaction, delivery: Delivery) -> None:
         tx.join(pg).execute(
@@ -175,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--cursor", required=True)
     c.add_argument("--batch", type=int, default=1)
     c.add_argument("--stop-file", required=True)
+    c.add_argument("--tx-timeout", type=float, default=30.0)
+    c.add_argument("--rpc-timeout", type=float, default=30.0)
     for q in (p, c):
         q.add_argument("--pg", required=True)
         q.add_argument("--id", required=True)

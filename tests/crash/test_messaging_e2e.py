@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.fault_proxy import FaultProxy, Faults
+from messaging.frames import FrameType
+from tests.support.fault_proxy import FaultProxy, Faults, ReplyFault
 from tests.support.msg_cluster import Cluster, assert_exactly_once
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
@@ -79,6 +80,25 @@ def test_hostile_network_between_log_and_cursor(cluster_factory, tmp_path: Path)
         report = _run(cluster, producers=2, txs=25)
         assert proxy.stats["frames"] > 0
         print("fault proxy:", dict(proxy.stats), "audit:", report)
+
+
+def test_late_and_lost_prepare_replies_with_a_consumer_kill(cluster_factory) -> None:
+    """The consumer's prepare answers come late (past its 1 s transaction timeout, while the
+    cursor holds the message prepared) or never, and the consumer is killed once after a
+    decision: the single consumer's order still holds, nothing lost or duplicated."""
+    cluster: Cluster = cluster_factory(consumer_tx_timeout=1.0)
+    with FaultProxy(("127.0.0.1", cluster.cursor_port), seed=11) as proxy:
+        proxy.set_reply_faults(
+            ReplyFault(FrameType.XA_PREPARE, "delay", every=5, seconds=1.5),
+            ReplyFault(FrameType.XA_PREPARE, "drop", every=7),
+        )
+        cluster.consumer_proxy = proxy
+        report = _run(
+            cluster, producers=2, txs=10, crash={"consumer-c0": "tm.after_decision_fsync:9"}
+        )
+        assert proxy.stats["reply_delay"] > 0 and proxy.stats["reply_drop"] > 0, proxy.stats
+        assert report["kills"].get("consumer-c0", 0) >= 1, report
+        print("reply faults:", dict(proxy.stats), "audit:", report)
 
 
 CRASHES = [

@@ -26,6 +26,15 @@ What each fault models:
 - ``reset``: the connection reset (RST on both sides, ``SO_LINGER`` 0) instead of this frame: a
   crashed peer or a firewall dropping state.
 
+Reply faults (`ReplyFault`, `FaultProxy.set_reply_faults`) model the case the per-frame faults
+cannot aim at: the server acted on a request, and its answer comes late, never, or with the
+connection cut. Each XA request (``XA_START`` .. ``XA_FORGET``) a client sends is matched, in
+order, with the ``XA_REPLY`` that answers it on the same connection; a rule names the request type
+it hits (``XA_PREPARE``, say) and which of them (every n-th, or each with a seeded probability),
+and what happens to the reply: ``delay`` holds it (and the stream behind it) for ``seconds``,
+``drop`` never sends it, ``reset`` resets the connection instead, and ``outage`` then pauses
+the whole proxy for that many seconds (the server unreachable).
+
 `FaultProxy.pause` / `FaultProxy.resume` stop and restart forwarding without closing anything (a
 partition: data queues in the proxy and the kernel buffers); `FaultProxy.reset_all` resets every
 live connection at once. The first ``pass_first`` frames of each direction of each connection
@@ -127,6 +136,39 @@ class Faults:
         return None
 
 
+_XA_REQUESTS = frozenset(range(32, 38))  # XA_START .. XA_FORGET: each answered by one XA_REPLY
+_XA_REPLY = 47
+_REPLY_ACTIONS = frozenset({"delay", "drop", "reset"})
+
+
+@dataclass(frozen=True)
+class ReplyFault:
+    """Mistreat the reply to chosen requests of type ``verb`` (a `FrameType` number).
+
+    ``every``: the n-th, 2n-th, ... such request through this proxy (all connections counted
+    together); or, if ``probability`` is set, each one with that chance (seeded by the proxy's
+    seed). ``action``: ``delay`` (hold the reply ``seconds``), ``drop`` (never send it) or
+    ``reset`` (reset the connection instead). ``outage``: seconds the whole proxy then stops
+    forwarding, as if the server were unreachable."""
+
+    verb: int
+    action: str = "delay"
+    every: int = 1
+    probability: float | None = None
+    seconds: float = 1.0
+    outage: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.verb not in _XA_REQUESTS:
+            raise ValueError(f"ReplyFault.verb must be an XA request type, not {self.verb!r}")
+        if self.action not in _REPLY_ACTIONS:
+            raise ValueError(f"ReplyFault.action must be one of {sorted(_REPLY_ACTIONS)}")
+        if self.every < 1 or self.seconds < 0 or self.outage < 0:
+            raise ValueError("ReplyFault needs every >= 1, seconds >= 0 and outage >= 0")
+        if self.probability is not None and not 0.0 <= self.probability <= 1.0:
+            raise ValueError("ReplyFault.probability must be in [0, 1]")
+
+
 class _Killed(Exception):
     """The connection was reset or the proxy closed: the pump stops at once."""
 
@@ -143,6 +185,8 @@ class _Connection:
         self.dead = False  # reset: sockets get SO_LINGER 0 and are closed with an RST
         self.running = 1  # pumps alive; the first one is alive before the upstream connects
         self.finished = False
+        #: one entry per XA request sent upstream and not yet answered: the fault for its reply
+        self.replies: collections.deque[ReplyFault | None] = collections.deque()
 
     @property
     def stopped(self) -> bool:
@@ -287,6 +331,8 @@ class _Pump:
         proxy._count("frames")
         index = self.index
         self.index += 1
+        if self._replies(frame, index):
+            return
         faults = proxy._faults
         fault = None
         if index >= faults.pass_first and faults.applies_to(self.direction):
@@ -323,6 +369,33 @@ class _Pump:
             self.conn.kill()
             raise _Killed
         self._flush_held()
+
+    def _replies(self, frame: bytes, index: int) -> bool:
+        """Match XA requests with their replies; True if a reply fault took this frame."""
+        ftype = frame[5]  # the header's type byte
+        if self.direction == "upstream" and ftype in _XA_REQUESTS:
+            self.conn.replies.append(self.proxy._reply_fault(ftype))
+        elif self.direction == "downstream" and ftype == _XA_REPLY and self.conn.replies:
+            rule = self.conn.replies.popleft()
+            if rule is not None:
+                self._mistreat_reply(frame, rule, index)
+                return True
+        return False
+
+    def _mistreat_reply(self, frame: bytes, rule: ReplyFault, index: int) -> None:
+        proxy = self.proxy
+        proxy._count(f"reply_{rule.action}")
+        proxy._record(self.conn.number, self.direction, index, f"reply_{rule.action}")
+        if rule.action == "delay":
+            proxy._sleep(self.conn, rule.seconds)
+            self._send(frame)
+        elif rule.action == "reset":
+            self.conn.kill()
+        if rule.outage:
+            proxy.pause()
+            threading.Timer(rule.outage, proxy.resume).start()
+        if rule.action == "reset":
+            raise _Killed
 
     def _flush_held(self) -> None:
         if self.held is not None:
@@ -370,6 +443,9 @@ class FaultProxy:
         self._conns: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._numbers = itertools.count(1)
+        self._reply_faults: tuple[ReplyFault, ...] = ()
+        self._reply_counts: collections.Counter[int] = collections.Counter()
+        self._reply_rng = random.Random(seed ^ 0x5EED)
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(_POLL)
         host, port = self._listener.getsockname()[:2]
@@ -397,6 +473,27 @@ class FaultProxy:
     @property
     def faults(self) -> Faults:
         return self._faults
+
+    def set_reply_faults(self, *rules: ReplyFault) -> None:
+        """Replace the reply faults (none: replies pass); see `ReplyFault`."""
+        with self._lock:
+            self._reply_faults = rules
+            self._reply_counts.clear()
+
+    def _reply_fault(self, verb: int) -> ReplyFault | None:
+        """The rule hitting the reply to this request, if any (first matching rule wins)."""
+        with self._lock:
+            self._reply_counts[verb] += 1
+            n = self._reply_counts[verb]
+            for rule in self._reply_faults:
+                if rule.verb != verb:
+                    continue
+                if rule.probability is not None:
+                    if self._reply_rng.random() < rule.probability:
+                        return rule
+                elif n % rule.every == 0:
+                    return rule
+            return None
 
     def reset_all(self) -> int:
         """Reset (RST) every live connection now; returns how many were reset."""

@@ -97,11 +97,18 @@ class Proc:
 class Cluster:
     """Log server, cursor server, optional fault proxy, producers and consumers."""
 
-    def __init__(self, workdir: Path, pg_url: str, *, proxy: Any = None) -> None:
+    def __init__(
+        self, workdir: Path, pg_url: str, *, proxy: Any = None, consumer_proxy: Any = None,
+        consumer_tx_timeout: float = 30.0,
+    ) -> None:  # fmt: skip
+        """``proxy``: a `FaultProxy` between the log and the cursor; ``consumer_proxy``: one
+        between the consumers and the cursor (both forward to ``cursor_port``)."""
         self.workdir = workdir
         self.pg_url = pg_url
         self.log_port, self.cursor_port = free_port(), free_port()
         self.proxy = proxy
+        self.consumer_proxy = consumer_proxy
+        self.consumer_tx_timeout = consumer_tx_timeout
         self.procs: dict[str, Proc] = {}
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
@@ -150,8 +157,13 @@ class Cluster:
 
     def add_consumer(self, cid: str, *, batch: int = 1, crash_at: str | None = None,
                      destination: str = "orders") -> Proc:  # fmt: skip
-        argv = [sys.executable, str(WORKER), "consume", "--cursor",
-                f"127.0.0.1:{self.cursor_port}", "--pg", self.pg_url, "--id", cid,
+        host, port = ("127.0.0.1", self.cursor_port)
+        if self.consumer_proxy is not None:
+            host, port = self.consumer_proxy.address
+        argv = [sys.executable, str(WORKER), "consume", "--cursor", f"{host}:{port}",
+                "--tx-timeout", str(self.consumer_tx_timeout),
+                "--rpc-timeout", str(3.0 if self.consumer_proxy is not None else 30.0),
+                "--pg", self.pg_url, "--id", cid,
                 "--state", str(self.workdir / f"c-{cid}"), "--batch", str(batch),
                 "--stop-file", str(self.stop_file), "--destination", destination]  # fmt: skip
         return self.add(f"consumer-{cid}", argv, crash_at, done="HANDLED")

@@ -435,3 +435,15 @@ def test_faults_are_validated() -> None:
         Faults(direction="sideways")
     with pytest.raises(ValueError):
         Faults(delay_seconds=(0.2, 0.1))
+
+
+def test_reply_fault_refuses_what_it_cannot_do() -> None:
+    """Only XA requests have replies to mistreat; only delay, drop and reset are known. (What
+    each does to a live reply is exercised in tests/integration/test_consumer_order.py.)"""
+    from messaging.frames import FrameType
+    from tests.support.fault_proxy import ReplyFault
+
+    with pytest.raises(ValueError):
+        ReplyFault(FrameType.XA_REPLY)
+    with pytest.raises(ValueError):
+        ReplyFault(FrameType.XA_PREPARE, "explode")

@@ -560,3 +560,99 @@ def test_failed_one_phase_commit_rolls_the_branch_back(
         tx.commit()
     assert tx.state == TxState.ROLLED_BACK
     assert flaky.calls["rollback"] == 1
+
+
+# -- settling before a retry ---------------------------------------------------------------------
+
+
+def test_run_waits_for_a_timed_out_attempt_to_settle_before_retrying(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    """The caller's wait runs out while a branch prepares: the retry must not begin until the
+    first attempt's completion job has rolled every branch back (else it overtakes its work)."""
+    a, b, _ = abc
+    slow = FlakyResource(b, stall={"prepare": 1.0})
+    tm = manager(managers, [a, slow])
+    seen: list[tuple[str, bool]] = []
+    first: list[Transaction] = []
+
+    def work(tx: Transaction) -> None:
+        if first:
+            seen.append((first[0].state.value, first[0].settled))
+            slow.stall.clear()
+        else:
+            first.append(tx)
+        tx.join(a).add("balance", -10)
+        tx.join(slow).add("balance", 10)
+
+    tm.run(work, tries=2, timeout=0.3)
+    assert seen == [("rolled-back", True)]  # the retry began after the first attempt settled
+    assert outcomes(first[0].gtrid, a, b) == [ROLLED_BACK, ROLLED_BACK]
+    assert a.snapshot() == {"balance": -10}  # exactly_once
+
+
+def test_run_confirms_an_unconfirmed_rollback_before_retrying(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    """A branch whose rollback failed may still hold the attempt's work: `run` tells it again
+    (the server comes back) and only then retries."""
+    a, b, _ = abc
+    flaky = FlakyResource(b)
+    tm = manager(managers, [a, flaky])
+    attempts: list[Transaction] = []
+
+    def work(tx: Transaction) -> None:
+        attempts.append(tx)
+        tx.join(a).add("balance", -10)
+        tx.join(flaky).add("balance", 10)
+        if len(attempts) == 1:
+            flaky.fail_on.add("rollback")  # the server goes away; back 0.3 s later
+            threading.Timer(0.3, flaky.fail_on.clear).start()
+            raise TransientError("serialization failure")
+
+    tm.run(work, tries=2)
+    assert flaky.calls["rollback"] >= 2
+    assert outcomes(attempts[0].gtrid, a, b) == [ROLLED_BACK, ROLLED_BACK]
+    assert not attempts[0].unconfirmed and tm.unsettled() == []
+
+
+def test_an_attempt_that_does_not_settle_is_not_retried_and_stays_unsettled(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    a, b, _ = abc
+    down = FlakyResource(b)
+    tm = manager(managers, [a, down], settle_timeout=0.3)
+    calls: list[str] = []
+
+    def work(tx: Transaction) -> None:
+        calls.append(tx.gtrid)
+        tx.join(a).add("balance", -10)
+        tx.join(down).add("balance", 10)
+        down.fail_on.update({"rollback", "recover"})
+        raise TransientError("serialization failure")
+
+    with pytest.raises(TransientError):
+        tm.run(work, tries=3)
+    assert len(calls) == 1  # not retried: its branch may still hold the work
+    assert tm.unsettled() == calls
+    assert tm.settle(timeout=0.3) is False  # the store is still down
+    down.fail_on.clear()
+    assert tm.settle(timeout=10) is True
+    assert tm.unsettled() == [] and outcomes(calls[0], a, b) == [ROLLED_BACK, ROLLED_BACK]
+
+
+def test_unsettled_lists_a_completion_still_running_after_its_caller_left(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    a, b, _ = abc
+    slow = FlakyResource(b, stall={"prepare": 5.0})
+    tm = manager(managers, [a, slow])
+    tx = tm.begin(timeout=0.2)
+    tx.join(a).add("balance", -10)
+    tx.join(slow).add("balance", 10)
+    with pytest.raises(TransactionTimedOut):
+        tx.commit()
+    assert not tx.settled and tm.unsettled() == [tx.gtrid]
+    slow.release()
+    assert tm.settle(timeout=10) is True
+    assert tx.settled and tx.state == TxState.ROLLED_BACK and tm.unsettled() == []
