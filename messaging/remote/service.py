@@ -74,11 +74,11 @@ from resource_managers.cursor import (
     CursorResource,
 )
 from resource_managers.message_log import (
-    InvalidMessageError,
     Message,
     MessageLog,
     MessageLogResource,
     ProducerBranch,
+    check_message,
 )
 
 from .admin import CursorAdmin
@@ -268,12 +268,7 @@ class ProducerService(_Service[MessageLogResource]):
         return branch
 
     def _stage(self, branch: ProducerBranch, message: Message) -> None:
-        limit = self.mlog.max_message_bytes
-        if message.size > limit:
-            raise InvalidMessageError(
-                f"message of {message.size} bytes (body and headers) exceeds the limit of "
-                f"{limit}; nothing was staged"
-            )
+        check_message(message, max_bytes=self.mlog.max_message_bytes)
         staged = sum(1 for m in branch.messages if m.destination == message.destination)
         self.mlog.check_room(message.destination, staged + 1)
         branch.messages.append(message)

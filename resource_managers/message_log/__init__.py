@@ -21,8 +21,11 @@ from ._records import (
     TOPIC_PREFIX,
     TRANSACTIONAL_HEADER,
     VOLATILE_SUFFIX,
-    InvalidMessageError,
     Message,
+)
+from ._validation import (
+    InvalidMessageError,
+    check_message,
     new_message,
     outgoing,
     validate_destination,
@@ -49,6 +52,7 @@ __all__ = [
     "MessageLogStats",
     "ProducerBranch",
     "StagingBranch",
+    "check_message",
     "new_message",
     "outgoing",
     "validate_destination",

@@ -38,6 +38,7 @@ from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate
 
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
 from ._state import LogState
+from ._validation import check_message
 
 log = logging.getLogger("twopc.message_log")
 
@@ -167,6 +168,7 @@ class MessageLog:
         Raises `BranchRolledBack` if a rollback (recovery's, say) left its tombstone first, even
         while the record was being written: replay ignores a prepare after a tombstone, so
         voting yes then would let a commit report success for messages that do not exist."""
+        self._judge(messages)
         durable = [m for m in messages if m.persistent]
         volatile = [m for m in messages if not m.persistent]
         if durable:
@@ -178,6 +180,12 @@ class MessageLog:
                 self._volatile_prepared[gid] = volatile
             self._hold_locked(messages, +1)
 
+    def _judge(self, messages: list[Message]) -> None:
+        """Every message of a record passes `check_message` before the record is written, so a
+        record in the journal always replays (`InvalidMessageError` writes nothing)."""
+        for message in messages:
+            check_message(message, max_bytes=self.max_message_bytes)
+
     def commit(
         self, gid: str, messages: list[Message] | None = None, *, after_append: str = ""
     ) -> None:
@@ -185,6 +193,8 @@ class MessageLog:
         A gid that is neither prepared nor given messages is a repeat: nothing to do.
         ``after_append`` names the crash point between the durable record and publication."""
         one_phase = messages is not None
+        if messages is not None:
+            self._judge(messages)
         with self._lock:
             if one_phase:
                 assert messages is not None

@@ -1,0 +1,108 @@
+"""One validation for every way a message enters (`check_message`): a transfer frame a log could
+not have written is refused with ``NACK invalid-message`` by a real cursor server, nothing is
+written, the stream's filter does not move, no traceback is logged, and the cursor reopens on its
+journal with every accepted message. The local and remote producers refuse the same messages."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from coordinator import MemoryDecisionLog, TransactionManager
+from messaging.auth import SharedSecret
+from messaging.connection import connect
+from messaging.frames import Ack, Msg, Nack
+from messaging.remote.protocol import message_from_value, message_to_value
+from messaging.server import CursorServer
+from messaging.transfer import TRANSFER_ROLE
+from resource_managers.cursor import Cursor
+from resource_managers.message_log import (
+    InvalidMessageError,
+    Message,
+    MessageLog,
+    MessageLogResource,
+)
+from resource_managers.sequencing import Frame
+
+SECRET = SharedSecret(b"validation test secret, 32 bytes")
+
+#: (name, destination, headers): messages no producer can send
+REFUSED = [
+    ("priority-not-a-number", "q", {"twopc-priority": "x"}),
+    ("priority-out-of-range", "q", {"twopc-priority": "99"}),
+    ("transactional-not-0-or-1", "q", {"twopc-transactional": "2"}),
+    ("admin-queue-a-dlq", "q", {"twopc-admin-queue": "x.DLQ"}),
+    ("65-headers", "q", {f"h{i}": "v" for i in range(65)}),
+    ("empty-header-name", "q", {"": "v"}),
+    ("destination-a-dlq", "q.DLQ", {}),
+    ("destination-a-subscription-queue", "topic:prices/alice", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "destination", "headers"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_a_transfer_frame_no_log_could_write_is_refused_and_the_cursor_restarts(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    destination: str,
+    headers: dict[str, str],
+) -> None:
+    caplog.set_level(logging.INFO)
+    with CursorServer(tmp_path / "c", SECRET, listen=("127.0.0.1", 0)) as server:
+        with connect(server.address, SECRET, "log", TRANSFER_ROLE, timeout=5) as conn:
+            conn.send(Msg("ok", 7, 1, 0, "a", "ok", b"before"))
+            assert conn.recv(timeout=5) == Ack("ok", 7, 1)
+            conn.send(Msg(destination, 7, 1, 0, "m", destination, b"p", headers))
+            nack = conn.recv(timeout=5)
+            assert isinstance(nack, Nack), nack
+            assert (nack.stream, nack.epoch, nack.seq, nack.reason) == (
+                destination, 7, 1, "invalid-message"
+            )  # fmt: skip
+            conn.send(Msg("ok", 7, 2, 1, "b", "ok", b"after"))  # the connection goes on
+            assert conn.recv(timeout=5) == Ack("ok", 7, 2)
+        # a refused number does not move the filter: the same number is still to come
+        assert server.cursor.ack_for(destination).seq == 0
+        assert server.listener.stats["handler_errors"] == 0
+        assert server.receiver.stats["refused"] == 1
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    with Cursor(tmp_path / "c") as cursor:  # the journal replays: nothing of it was written
+        assert cursor.ack_for(destination).seq == 0
+        got = cursor.take_many("g", "ok", 10)
+        assert [d.body for d in got] == [b"before", b"after"]
+
+
+@pytest.mark.parametrize(("name", "destination", "headers"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_the_cursor_judges_a_whole_batch_before_writing_any_of_it(
+    tmp_path: Path, name: str, destination: str, headers: dict[str, str]
+) -> None:
+    bad = Message("m", destination, b"p", headers)
+    good = Message("g1", "ok", b"fine")
+    with Cursor(tmp_path / "c") as cursor:
+        before = cursor.stats().forced_records
+        with pytest.raises(InvalidMessageError):
+            cursor.deliver_many(
+                [(Frame("ok", 1, 1, 0, "g1"), good), (Frame(bad.stream, 1, 1, 0, "m"), bad)]
+            )
+        assert cursor.stats().forced_records == before  # the good one was not written either
+        assert cursor.ack_for("ok").seq == 0
+    with Cursor(tmp_path / "c") as cursor:
+        assert cursor.take_many("g", "ok", 10) == []
+
+
+@pytest.mark.parametrize(("name", "destination", "headers"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_local_and_remote_producers_refuse_the_same_messages(
+    tmp_path: Path, name: str, destination: str, headers: dict[str, str]
+) -> None:
+    with MessageLog(tmp_path / "log") as mlog:
+        resource = MessageLogResource(mlog, "mlog")
+        tm = TransactionManager("v", MemoryDecisionLog(), [resource])
+        with pytest.raises(InvalidMessageError), tm.transaction() as tx:
+            tx.join(resource).send(destination, b"p", headers=headers)
+        value = message_to_value(Message("m", destination, b"p", headers))
+        with pytest.raises(InvalidMessageError):
+            message_from_value(value)
+        with pytest.raises(InvalidMessageError):  # nor can a caller hand the store one
+            mlog.prepare("gid", [Message("m", destination, b"p", headers)])
+        assert mlog.stats().forced_records == 1  # the open record alone
