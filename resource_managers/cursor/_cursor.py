@@ -75,6 +75,13 @@ DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
 DEFAULT_MAX_DELIVERIES = 5
 
 
+def journal_replay() -> Callable[[bytes], None]:
+    """What opening a cursor does with each journal record, into a fresh state (read-only: for
+    `coordinator.journal.quarantine`, which must judge records exactly as an open would)."""
+    state = CursorState()
+    return lambda payload: state.apply(decode(payload))
+
+
 class BranchRolledBack(TransactionRolledBack):
     """The cursor refuses to prepare (or receive in) a branch it has rolled back: its tombstone."""
 

@@ -11,6 +11,7 @@ from ._log import (
     DestinationFullError,
     MessageLog,
     MessageLogStats,
+    journal_replay,
 )
 from ._records import (
     ADMIN_QUEUE_HEADER,
@@ -53,6 +54,7 @@ __all__ = [
     "ProducerBranch",
     "StagingBranch",
     "check_message",
+    "journal_replay",
     "new_message",
     "outgoing",
     "validate_destination",

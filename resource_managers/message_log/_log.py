@@ -46,6 +46,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
 
 
+def journal_replay() -> Callable[[bytes], None]:
+    """What opening a message log does with each journal record, into a fresh state (read-only:
+    for `coordinator.journal.quarantine`, which must judge records exactly as an open would)."""
+    state = LogState()
+    return lambda payload: state.apply(decode(payload))
+
+
 class BranchRolledBack(TransactionRolledBack):
     """The log refuses to prepare a branch it has already rolled back (its tombstone)."""
 
