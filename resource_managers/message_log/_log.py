@@ -37,6 +37,7 @@ from coordinator.errors import (
 from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
 
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
+from ._refused import keep_refused
 from ._state import LogState
 from ._validation import check_message
 
@@ -349,6 +350,17 @@ class MessageLog:
                 self._state.apply(record)
         else:
             self._append([record], force=False)
+
+    def refuse(self, stream: str, epoch: int, seq: int, reason: str) -> Path | None:
+        """The cursor refused message ``seq`` (``NACK invalid-message``): keep it whole in
+        ``refused/`` (durable first), then drop it from its stream like an expired one. Returns
+        the kept file, or None if the log no longer holds that message (nothing to do)."""
+        message = self.get(stream, [seq]).get(seq)
+        if message is None or self.epoch(stream) != epoch:
+            return None
+        kept = keep_refused(self.directory, stream, epoch, seq, message=message, reason=reason)
+        self.drop(stream, epoch, [seq])
+        return kept
 
     def drop_expired(self, stream: str, now_ms: int | None = None) -> list[tuple[int, Message]]:
         """Remove the visible messages of ``stream`` whose ``expires_at`` has passed (a lazy

@@ -16,7 +16,7 @@ from messaging.connection import connect
 from messaging.frames import Ack, Msg, Nack
 from messaging.remote.protocol import message_from_value, message_to_value
 from messaging.server import CursorServer
-from messaging.transfer import TRANSFER_ROLE
+from messaging.transfer import TRANSFER_ROLE, LogTransfer
 from resource_managers.cursor import Cursor
 from resource_managers.message_log import (
     InvalidMessageError,
@@ -24,7 +24,9 @@ from resource_managers.message_log import (
     MessageLog,
     MessageLogResource,
 )
-from resource_managers.sequencing import Frame
+from resource_managers.message_log._records import encode, message_obj
+from resource_managers.message_log._refused import read_refused
+from resource_managers.sequencing import DoublingBackoff, Frame
 
 SECRET = SharedSecret(b"validation test secret, 32 bytes")
 
@@ -106,3 +108,33 @@ def test_local_and_remote_producers_refuse_the_same_messages(
         with pytest.raises(InvalidMessageError):  # nor can a caller hand the store one
             mlog.prepare("gid", [Message("m", destination, b"p", headers)])
         assert mlog.stats().forced_records == 1  # the open record alone
+
+
+def test_a_message_the_cursor_refuses_is_kept_aside_and_the_stream_moves_past_it(
+    tmp_path: Path,
+) -> None:
+    """A log holding a message the cursor refuses (written by an older version without today's
+    checks: here straight into its journal): the transfer keeps it in ``refused/``, takes it out
+    of the stream, and the next message is accepted; nothing loops, nothing else is lost."""
+    bad = Message("bad", "q", b"p", {"twopc-priority": "x"})
+    with MessageLog(tmp_path / "log") as mlog:
+        mlog._journal.append(
+            encode({"k": "1", "g": "g0", "m": [message_obj(bad)], "s": [["q", 1]]})
+        )
+    with (
+        MessageLog(tmp_path / "log") as mlog,
+        CursorServer(tmp_path / "c", SECRET, listen=("127.0.0.1", 0)) as server,
+    ):
+        mlog.commit("g1", [Message("good", "q", b"fine")])
+        dial = lambda: connect(server.address, SECRET, "log", TRANSFER_ROLE, timeout=2)  # noqa: E731
+        with LogTransfer(mlog, dial, resend=DoublingBackoff(base=0.1, cap=0.5)) as transfer:
+            assert transfer.wait_idle(10)
+            assert transfer.stats["refused"] == 1
+        assert [d.body for d in server.cursor.take_many("g", "q", 10)] == [b"fine"]
+        assert mlog.pending("q") == []
+    kept = list((tmp_path / "log" / "refused").rglob("*.json"))
+    assert len(kept) == 1
+    reason, seq, message = read_refused(kept[0])
+    assert (seq, message) == (1, bad) and "priority" in reason
+    with MessageLog(tmp_path / "log") as mlog:  # the drop is durable: not sent again
+        assert mlog.pending("q") == []
