@@ -6,14 +6,15 @@ journal with every accepted message. The local and remote producers refuse the s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from coordinator import MemoryDecisionLog, TransactionManager
+from coordinator import LogWriteError, MemoryDecisionLog, TransactionManager
 from messaging.auth import SharedSecret
-from messaging.connection import connect
-from messaging.frames import Ack, Msg, Nack
+from messaging.connection import Connection, Listener, connect
+from messaging.frames import Ack, ErrorFrame, Msg, Nack, Ping
 from messaging.remote.protocol import message_from_value, message_to_value
 from messaging.server import CursorServer
 from messaging.transfer import TRANSFER_ROLE, LogTransfer
@@ -66,7 +67,7 @@ def test_a_transfer_frame_no_log_could_write_is_refused_and_the_cursor_restarts(
             assert conn.recv(timeout=5) == Ack("ok", 7, 2)
         # a refused number does not move the filter: the same number is still to come
         assert server.cursor.ack_for(destination).seq == 0
-        assert server.listener.stats["handler_errors"] == 0
+        assert server.internal_errors == 0
         assert server.receiver.stats["refused"] == 1
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     with Cursor(tmp_path / "c") as cursor:  # the journal replays: nothing of it was written
@@ -138,3 +139,32 @@ def test_a_message_the_cursor_refuses_is_kept_aside_and_the_stream_moves_past_it
     assert (seq, message) == (1, bad) and "priority" in reason
     with MessageLog(tmp_path / "log") as mlog:  # the drop is durable: not sent again
         assert mlog.pending("q") == []
+
+
+def test_a_handler_error_reaches_the_peer_as_its_code_and_only_a_defect_is_internal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def failing(error: Exception) -> Callable[[Connection], None]:
+        def handler(conn: Connection) -> None:
+            conn.recv(timeout=5)
+            raise error
+
+        return handler
+
+    cases = {
+        "log-write": LogWriteError("disk full", durable=False),
+        "internal-error": KeyError("a defect"),
+    }
+    for code, error in cases.items():
+        caplog.clear()
+        with Listener(("127.0.0.1", 0), SECRET, "s", {"r": failing(error)}) as listener:
+            with connect(listener.address, SECRET, "c", "r", timeout=5) as conn:
+                conn.send(Ping(1))
+                got = conn.recv(timeout=5)
+            assert isinstance(got, ErrorFrame) and got.code == code
+            traced = [r for r in caplog.records if r.exc_info]
+            if code == "internal-error":
+                assert listener.stats["internal_errors"] == 1 and len(traced) == 1
+            else:
+                assert listener.stats["internal_errors"] == 0 and not traced
+                assert listener.stats[f"error_{code}"] == 1
