@@ -33,6 +33,7 @@ from .errors import (
     TransactionRolledBack,
     TransactionTimedOut,
     TransientError,
+    UnreplayableRecordError,
     UnsettledError,
 )
 from .manager import InDoubt, TransactionManager, current
@@ -79,6 +80,7 @@ __all__ = [
     "TransactionTimedOut",
     "TransientError",
     "TxState",
+    "UnreplayableRecordError",
     "UnsettledError",
     "Vote",
     "Xid",

@@ -16,8 +16,9 @@ unacknowledged message due again on the next one, since what was on the old one 
 arrived. Nothing here is durable: the log holds the messages and their numbers, the cursor the
 filter, so a crash of either side at any point costs at most a resend that the filter drops.
 
-Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet) and
-``xfer.log.before_compact`` (an ack received, the log not yet compacted).
+Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet),
+``xfer.log.before_compact`` (an ack received, the log not yet compacted) and
+``xfer.log.after_keep_refused`` (a refused message kept in ``refused/``, not yet dropped).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from coordinator.backoff import Backoff, ExponentialBackoff
 from coordinator.crashpoints import crash_point
-from coordinator.errors import FrameError
+from coordinator.errors import FrameError, LogError
 from resource_managers.message_log import MessageLog
 from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
 
@@ -47,6 +49,8 @@ log = logging.getLogger("twopc.transfer")
 
 #: the role a log authenticates with at a cursor's listener
 TRANSFER_ROLE = "transfer"
+#: the NACK reason of a message the cursor will never accept (see `TransferReceiver`)
+INVALID_MESSAGE = "invalid-message"
 
 
 class LogTransfer:
@@ -307,16 +311,49 @@ class LogTransfer:
         elif isinstance(frame, Pong):
             pass
         elif isinstance(frame, Nack):
-            self.stats["nacks"] += 1
-            log.error(
-                "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in "
-                "the log and is resent",
-                self.name, frame.seq, frame.stream, frame.epoch, frame.reason, frame.detail,
-            )  # fmt: skip
+            self._on_nack(frame)
         elif isinstance(frame, ErrorFrame):
             raise ConnectionAbortedError(f"the cursor closes: {frame.code} {frame.message}")
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
+
+    def _on_nack(self, nack: Nack) -> None:
+        """``invalid-message``: the cursor will refuse every resend, and the stream cannot move
+        past it, so the log keeps the message in ``refused/`` (durably) and takes it out of the
+        stream; the next message is relinked past it. Any other reason, or a message this
+        transfer no longer holds (a refusal of a resend already dealt with), changes nothing."""
+        self.stats["nacks"] += 1
+        with self._lock:
+            sender = self._senders.get(nack.stream)
+            mine = sender is not None and sender.epoch == nack.epoch and nack.seq in sender.window
+        kept = self._keep_and_drop(nack) if mine and nack.reason == INVALID_MESSAGE else None
+        if kept is None or sender is None:
+            log.error(
+                "%s: the cursor refused message %d of %s (epoch %d): %s %s; nothing changed",
+                self.name, nack.seq, nack.stream, nack.epoch, nack.reason, nack.detail,
+            )  # fmt: skip
+            return
+        with self._lock:
+            sender.withdraw(nack.seq)
+        self.stats["refused"] += 1
+        log.error(
+            "%s: the cursor refused message %d of %s (epoch %d): %s; kept in %s and taken out "
+            "of the stream", self.name, nack.seq, nack.stream, nack.epoch, nack.detail, kept,
+        )  # fmt: skip
+
+    def _keep_and_drop(self, nack: Nack) -> Path | None:
+        """Keep the refused message, then drop it from the log; the kept file, or None if either
+        failed (then it stays in the stream and is resent with back-off, to be refused again)."""
+        try:
+            kept = self.mlog.keep_refused(nack.stream, nack.epoch, nack.seq, nack.detail)
+            if kept is not None:
+                crash_point("xfer.log.after_keep_refused")
+                self.mlog.drop(nack.stream, nack.epoch, [nack.seq])
+        except (OSError, LogError) as exc:
+            log.error("%s: cannot set refused message %d of %s aside: %s; it is resent",
+                      self.name, nack.seq, nack.stream, exc)  # fmt: skip
+            return None
+        return kept
 
     def _on_ack(self, ack: Ack) -> None:
         with self._lock:
