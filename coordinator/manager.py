@@ -113,7 +113,7 @@ class TransactionManager:
         parallel: bool = False,
         max_workers: int = 16,
         phase_two_grace: float = 30.0,
-        inline_completion: bool = False,
+        inline_completion: bool = True,
         recovery_interval: float | None = 30.0,
         recover_on_start: bool = True,
         reaper_interval: float | None = 1.0,

@@ -249,7 +249,7 @@ def test_hung_prepare_times_out_and_never_commits(
     a, b, c = (FileResource(name, tmp_path / name) for name in "abc")
     hung = FlakyResource(b, stall={"prepare": 3.0})
     log = FileDecisionLog(tmp_path / "log")
-    tm = manager(managers, [a, hung, c], log)
+    tm = manager(managers, [a, hung, c], log, inline_completion=False)
     tx = tm.begin(timeout=0.5)
     for resource in (a, hung, c):
         tx.join(resource).add("n", 1)

@@ -572,7 +572,7 @@ def test_run_waits_for_a_timed_out_attempt_to_settle_before_retrying(
     first attempt's completion job has rolled every branch back (else it overtakes its work)."""
     a, b, _ = abc
     slow = FlakyResource(b, stall={"prepare": 1.0})
-    tm = manager(managers, [a, slow])
+    tm = manager(managers, [a, slow], inline_completion=False)
     seen: list[tuple[str, bool]] = []
     first: list[Transaction] = []
 
@@ -646,7 +646,7 @@ def test_unsettled_lists_a_completion_still_running_after_its_caller_left(
 ) -> None:
     a, b, _ = abc
     slow = FlakyResource(b, stall={"prepare": 5.0})
-    tm = manager(managers, [a, slow])
+    tm = manager(managers, [a, slow], inline_completion=False)  # the caller may leave early
     tx = tm.begin(timeout=0.2)
     tx.join(a).add("balance", -10)
     tx.join(slow).add("balance", 10)

@@ -266,7 +266,7 @@ def test_late_one_phase_commit_is_outcome_unknown_never_pending(
 ) -> None:
     """Before: a one-phase commit outliving deadline + grace was reported COMMIT_PENDING."""
     r = SlowFailingOnePhase("a", tmp_path / "a")
-    tm = make_manager(managers, [r], phase_two_grace=0.2)
+    tm = make_manager(managers, [r], phase_two_grace=0.2, inline_completion=False)
     tx = tm.begin(timeout=0.3)
     tx.join(r).add("n", 1)
     try:
@@ -536,7 +536,7 @@ def test_hooks_on_the_completion_pool_see_the_callers_context(
 ) -> None:
     """Before: hooks on the completion pool saw neither current() nor the caller's contextvars."""
     a, b = pair(tmp_path)
-    tm = make_manager(managers, [a, b])  # the default timeout: completion runs on the pool
+    tm = make_manager(managers, [a, b], inline_completion=False)  # completion on the pool
     seen: dict[str, object] = {}
 
     def hook() -> None:
