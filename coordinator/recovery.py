@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -166,7 +167,7 @@ class Recovery:
     ) -> None:
         """List every resource, then ask the last resources about the undecided, then act."""
         candidates: list[tuple[Resource, Xid]] = []
-        prepared: set[str] = set()
+        prepared: Counter[str] = Counter()  # listed branches per gtrid still prepared
         complete = True  # every resource listed: a decision row without prepared branches is done
         for resource in self._ordered_resources():
             listed = self._list(resource, report, force)
@@ -185,13 +186,15 @@ class Recovery:
                 decision_known=known,
             )
             if action == Action.COMMIT:
-                self._commit_listed(resource, xid, report)
+                done = self._commit_listed(resource, xid, report)
             elif action == Action.ROLLBACK:
-                self._rollback(resource, xid, report)
+                done = self._rollback(resource, xid, report)
             else:
+                done = False
                 report.deferred += 1
+            prepared[xid.gtrid] -= done
         if complete:
-            self._drop_ended_decisions(lasts, prepared, guard)
+            self._drop_ended_decisions(lasts, set(+prepared), guard)
 
     def _list(self, resource: Resource, report: RecoveryReport, force: bool) -> list[Xid] | None:
         key = f"recover:{resource.name}"
@@ -255,13 +258,12 @@ class Recovery:
         crash_point("recovery.llr.after_lookup")
         return committed, True
 
-    def _commit_listed(self, resource: Resource, xid: Xid, report: RecoveryReport) -> None:
+    def _commit_listed(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
         """A branch whose decision is a last resource's row: commit it (idempotent)."""
         try:
             reported = resource.commit(xid)
         except Exception as exc:
-            self._failed(xid.to_gid(), exc, report)
-            return
+            return self._failed(xid.to_gid(), exc, report)
         self._resolved_one()
         self.retries.succeeded(xid.to_gid())
         if xid.gtrid not in report.committed:
@@ -270,6 +272,7 @@ class Recovery:
         result = judge_commit(self.log, xid.gtrid, xid.bqual, reported)
         if result != BranchResult.DONE:
             report.heuristics.append(f"{xid}: {result.value}")
+        return True
 
     def _drop_ended_decisions(
         self, lasts: list[LastResource], prepared: set[str], guard: InFlightGuard
@@ -290,15 +293,14 @@ class Recovery:
             except Exception as exc:  # only housekeeping: the rows are retried next pass
                 log.warning("decision rows of %s not cleaned up: %r", resource.name, exc)
 
-    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> None:
+    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
         try:
             # Presumed abort is a decision too: once another process owns our node (a lease taken
             # over), the branch may be its in-flight transaction, so a fenced log stops us here.
             self.log.check_owner()
             reported = resource.rollback(xid)
         except Exception as exc:
-            self._failed(xid.to_gid(), exc, report)
-            return
+            return self._failed(xid.to_gid(), exc, report)
         self._resolved_one()
         self.retries.succeeded(xid.to_gid())
         report.rolled_back.append(xid.to_gid())
@@ -306,6 +308,7 @@ class Recovery:
         if reported == Outcome.HEURISTIC_COMMIT:
             record_heuristic(self.log, xid.gtrid, resource.name, reported)
             report.heuristics.append(f"{xid}: {reported.value}")
+        return True
 
     def _young(self, xid: Xid) -> bool:
         """A stamped sub-branch within its grace: its unknown owner may still be deciding."""
