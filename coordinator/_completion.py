@@ -345,11 +345,7 @@ def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None
             raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
         tx.manager.log.log_commit(decision)
     except FencedError as exc:
-        # past the deadline (or the caller left): a timeout; otherwise the log's lease was taken
-        # over and this manager may decide nothing more, which no retry here can change
-        timed_out = tx.caller_gave_up or getattr(exc, "deadline", None) is not None
-        tx.rollback_reason = "timeout" if timed_out else "fenced"
-        tx.move_to(TxState.ROLLING_BACK)
+        tx.fenced(exc)
         return exc
     except LogWriteError as exc:
         if exc.durable is None:

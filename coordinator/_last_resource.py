@@ -76,9 +76,7 @@ def _commit(
         tx.move_to(TxState.UNKNOWN)
         return exc
     except FencedError as exc:
-        timed_out = tx.caller_gave_up or getattr(exc, "deadline", None) is not None
-        tx.rollback_reason = "timeout" if timed_out else "fenced"
-        tx.move_to(TxState.ROLLING_BACK)
+        tx.fenced(exc)
         return exc
     except Exception as exc:
         tx.rollback_reason = "last resource commit failed"

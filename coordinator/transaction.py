@@ -160,6 +160,17 @@ class Transaction:
             check_transition(self.state, target)
             self.state = target
 
+    def fenced(self, error: BaseException) -> None:
+        """The commit point refused (`FencedError`): roll back, and say why.
+
+        Past the deadline (or the caller left) it is a timeout; otherwise the log's lease was
+        taken over (or a last resource's row fenced the gtrid) and this manager may decide
+        nothing more for it, which no retry here can change.
+        """
+        timed_out = self.caller_gave_up or getattr(error, "deadline", None) is not None
+        self.rollback_reason = "timeout" if timed_out else "fenced"
+        self.move_to(TxState.ROLLING_BACK)
+
     def ordered_branches(self) -> list[Branch]:
         """Branches in ascending ``sort_key`` (then name) order: the order of every phase."""
         return sorted(self.branches.values(), key=lambda b: (b.resource.sort_key, b.resource.name))

@@ -318,7 +318,8 @@ class PostgresResource:
             return Outcome.HEURISTIC_ROLLBACK
         return None
 
-    def _commit_one_phase(self, branch: _Branch) -> Outcome | None:
+    def _flush_for_commit(self, branch: _Branch) -> None:
+        """Flush the session; a branch whose work failed is ended here and votes no."""
         try:
             branch.session.flush()
         except Exception as exc:
@@ -327,6 +328,9 @@ class PostgresResource:
         if branch.failure is not None:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+
+    def _commit_one_phase(self, branch: _Branch) -> Outcome | None:
+        self._flush_for_commit(branch)
         try:
             tag = self._raw(_dbapi(branch.connection), "COMMIT")
         except Exception as exc:
@@ -388,14 +392,7 @@ class PostgresResource:
         """The branch's data and the decision row in one server commit, one round trip."""
         branch = self._branch(xid)
         table = self._decision_table()
-        try:
-            branch.session.flush()
-        except Exception as exc:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
-        if branch.failure is not None:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+        self._flush_for_commit(branch)
         with self._lock:
             ended, self._ended = self._ended, []
         node = xid.node_id or ""

@@ -100,33 +100,27 @@ def test_alone_or_with_read_only_branches_it_is_plain_one_phase(
     assert last.committed_decisions("node-1") == {}
 
 
-def test_a_no_vote_rolls_back_the_last_resource_too(
-    parts: tuple[FileResource, ...], managers: list[TransactionManager]
+@pytest.mark.parametrize(
+    ("vetoed", "reason"),
+    [
+        (1, "vote"),  # b votes no: the last resource's local transaction rolls back too
+        (2, "last resource commit failed"),  # the last resource's commit refuses: certainly not
+    ],
+)
+def test_a_no_vote_or_a_failed_last_commit_rolls_back_everything(
+    parts: tuple[FileResource, ...], managers: list[TransactionManager], vetoed: int, reason: str
 ) -> None:
     a, b, last = parts
     tm = make_manager(managers, [a, b, last])
     tx = tm.begin()
     move(tx, a, b, last)
-    tx.join(b).veto()
-    with pytest.raises(TransactionRolledBack):
-        tx.commit()
-    assert COMMITTED not in fates(tx.gtrid, a, b, last)
-    assert not a.state().prepared and last.committed_decisions("node-1") == {}
-
-
-def test_a_failed_last_commit_rolls_back_the_prepared_others(
-    parts: tuple[FileResource, ...], managers: list[TransactionManager]
-) -> None:
-    a, b, last = parts
-    tm = make_manager(managers, [a, b, last])
-    tx = tm.begin()
-    move(tx, a, b, last)
-    tx.join(last).veto()  # its one-phase commit refuses: certainly not committed
+    tx.join(parts[vetoed]).veto()
     with pytest.raises(TransactionRolledBack) as caught:
         tx.commit()
-    assert caught.value.reason == "last resource commit failed"
-    assert fates(tx.gtrid, a, b) == [ROLLED_BACK] * 2
-    assert COMMITTED not in fates(tx.gtrid, last)
+    assert caught.value.reason == reason
+    assert COMMITTED not in fates(tx.gtrid, a, b, last)
+    assert not a.state().prepared and not b.state().prepared
+    assert last.committed_decisions("node-1") == {}
 
 
 def test_a_caller_past_its_deadline_is_fenced_before_the_last_commit(
