@@ -623,6 +623,53 @@ def test_postmaster_kill9_keeps_prepared_branches(
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize(
+    ("point", "expect"),
+    [("tm.llr.before_commit", ROLLED_BACK), ("tm.llr.after_commit", COMMITTED)],
+)
+def test_a_down_last_resource_stops_presumed_abort(
+    point: str,
+    expect: str,
+    *,
+    tmp_path: Path,
+    private_pg: Callable[..., Any],
+    forks: ForkServer,
+) -> None:
+    """b, on a cluster of its own, is the last resource. The coordinator is killed before or
+    after b's commit, then b's postmaster is killed too. While b is down, recovery must presume
+    nothing about a's prepared branch (its decision may be b's row): it fails and retries. Once
+    b's server is back from its crash recovery, the row (or its absence) decides."""
+    servers = {name: private_pg() for name in ("a", "b")}
+    urls = iter([str(s.url(s.create_database())) for s in servers.values()])
+    dbs = Databases.create(lambda: next(urls), ("a", "b"))
+    opening = dbs.open_accounts(("a", "b"), [1])
+    log = make_log("file", tmp_path, lambda: "")
+    common = [*dbs.args(), "--node", "llrdown", "--last", "b"]
+
+    first = forks.run(["run", *common, *log.args(run=True), "--plan", "2pc,2pc"], f"{point}:2")
+    killed_at(first, point)
+    transcript = Transcript.parse(first.stdout)
+    gtrid = transcript.interrupted
+    assert [p.gtrid for p in prepared_in(dbs.urls["a"])] == [gtrid]
+
+    servers["b"].kill9()
+    down = forks.run(["recover", *common, *log.args()], None)
+    assert down.returncode == 0, down.stderr
+    report = json.loads(down.stdout.split("RECOVERED ", 1)[1])
+    assert report["failures"] and not report["rolled_back"] and not report["committed"], report
+    assert [p.gtrid for p in prepared_in(dbs.urls["a"])] == [gtrid]  # nothing presumed
+
+    servers["b"].restart()
+    report = recovered(forks, [*common, *log.args()])
+    assert (report["committed"] == [gtrid]) == (expect == COMMITTED), report
+    ended, problems = invariants(
+        dbs.read(), transcript, expect, opening, log.pending(report, "llrdown")
+    )
+    assert ended == expect
+    problems += decision_rows_left(dbs.urls["b"], "llrdown")
+    assert not problems, "\n".join(problems)
+
+
 def test_live_coordinator_after_postmaster_restart(
     tmp_path: Path, private_pg: Callable[..., Any], managers: list[TransactionManager]
 ) -> None:
