@@ -59,6 +59,7 @@ def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> Ba
         failure = _commit(tx, resource, last, Decision(tx.gtrid, branches, tx.wall_deadline))
     if failure is None:
         tx.manager.metrics.observe("decision", time.perf_counter() - started)
+        tx.manager.metrics.incr("last_resource_commits")
     return failure
 
 

@@ -67,6 +67,7 @@ def test_the_decision_rides_the_last_resource_commit(
         move(tx, last, a, b)  # joined first, still committed after the others prepared
     assert fates(tx.gtrid, a, b, last) == [COMMITTED] * 3
     assert log.commits == 0 and log.pending() == []  # no decision-log record at all
+    assert tm.metrics_dict()["last_resource_commits"] == 1
     assert last.committed_decisions("node-1") == {tx.gtrid: ("a", "b")}
     with tm.transaction() as tx2:  # the next commit deletes the ended row in the same write
         move(tx2, a, last)
