@@ -246,16 +246,7 @@ class PostgresResource:
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branch(xid)
-        try:
-            branch.session.flush()
-        except Exception as exc:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
-        if branch.failure is None and self._in_error(branch):
-            branch.failure = branch.last_error or "a statement failed earlier in the transaction"
-        if branch.failure is not None:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+        self._flush_for_commit(branch)
         if not branch.may_write and not self._has_xid(branch):
             self._end_local(branch)
             return Vote.READ_ONLY
@@ -319,12 +310,15 @@ class PostgresResource:
         return None
 
     def _flush_for_commit(self, branch: _Branch) -> None:
-        """Flush the session; a branch whose work failed is ended here and votes no."""
+        """Flush the session; a branch whose work failed is ended here and votes no (the
+        transaction's status is psycopg2's, read without a round trip)."""
         try:
             branch.session.flush()
         except Exception as exc:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
+        if branch.failure is None and self._in_error(branch):
+            branch.failure = branch.last_error or "a statement failed earlier in the transaction"
         if branch.failure is not None:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
