@@ -19,6 +19,9 @@ up and then measured for ``--seconds``. Rows, and why each one is here:
 - ``file``/``file-par``: twopc with `FileDecisionLog` (a forced COMMIT record per transaction),
   sequential and parallel prepare/commit.
 - ``sql``: twopc with `SqlDecisionLog` in a third database, when that module imports.
+- ``llr``: twopc with database B as the logging last resource: A prepares, B commits in one phase
+  with the decision row in the same server commit, then A commits. No PREPARE on B and no
+  decision-log force (the file log is configured, and untouched).
 - ``1phase``: twopc with only database A joined, so it takes the one-phase path with no log and no
   PREPARE. It is compared with ``1pc``.
 
@@ -37,6 +40,11 @@ no prepared transaction is left. It raises if either check fails. The script pri
 checks it against the targets.
 
     python bench/postgres_2pc.py [--seconds 3] [--threads 1,8] [--rounds 1] [--orm] [--profile]
+                                 [--rows bare,file,llr] [--json PATH]
+
+``--rows`` measures only the rows named (``bare`` always, as the baseline); ``--json PATH``
+writes one object per row and thread count, ``{"row", "threads", "tps", "cpu_us"}`` (medians
+over the rounds), as a JSON array.
 
 ``--rounds N`` repeats every row N times, alternating the row order, and prints medians and the
 tx/s range: one 3 s run per row is at the mercy of a shared or throttled machine.
@@ -51,6 +59,7 @@ import argparse
 import contextlib
 import cProfile
 import itertools
+import json
 import os
 import platform
 import pstats
@@ -272,10 +281,16 @@ def zope_setup(env: Env, threads: int) -> Setup:
 
 
 def twopc_setup(
-    env: Env, threads: int, log: Callable[[str], DecisionLog], *, parallel: bool, two: bool
+    env: Env,
+    threads: int,
+    log: Callable[[str], DecisionLog],
+    *,
+    parallel: bool,
+    two: bool,
+    last: bool = False,
 ) -> Setup:
     ea, eb = env.engine(env.url_a, threads), env.engine(env.url_b, threads)
-    ra, rb = PostgresResource(ea, "pg-a"), PostgresResource(eb, "pg-b")
+    ra, rb = PostgresResource(ea, "pg-a"), PostgresResource(eb, "pg-b", last_resource=last)
     node = f"bench-{uuid.uuid4().hex[:8]}"
     tm = TransactionManager(
         node,
@@ -358,6 +373,12 @@ ROWS = (
         (1, 1),
     ),
     RowSpec("sql", "twopc SqlDecisionLog, sequential", sql_setup, (1, 1)),
+    RowSpec(
+        "llr",
+        "twopc B last resource, A two-phase",
+        lambda e, t: twopc_setup(e, t, file_log(e), parallel=False, two=True, last=True),
+        (1, 1),
+    ),
     RowSpec(
         "1phase",
         "twopc one-phase, 1 db (vs 1PC)",
@@ -494,15 +515,27 @@ def sql_row_skipped(env: Env) -> str | None:
 def run_all(env: Env, args: argparse.Namespace, thread_counts: list[int]) -> Results:
     """Every row at every thread count; rounds alternate the row order to spread drift."""
     results: Results = {}
+    chosen = selected(args)
     for round_ in range(args.rounds):
         for threads in thread_counts:
-            specs = ROWS if round_ % 2 == 0 else ROWS[::-1]
+            specs = chosen if round_ % 2 == 0 else chosen[::-1]
             for spec in specs:
                 if spec.key == "sql" and sql_row_skipped(env):
                     continue
                 m = run_row(env, spec, threads, args.seconds, args.warmup)
                 results.setdefault((spec.key, threads), []).append(m)
     return results
+
+
+def selected(args: argparse.Namespace) -> tuple[RowSpec, ...]:
+    """The rows ``--rows`` names (all by default), always with the baseline."""
+    if not args.rows:
+        return ROWS
+    wanted = {"bare", *args.rows.split(",")}
+    unknown = wanted - set(ROW)
+    if unknown:
+        raise SystemExit(f"--rows: unknown rows {sorted(unknown)}; rows are {', '.join(ROW)}")
+    return tuple(spec for spec in ROWS if spec.key in wanted)
 
 
 # -- reporting -------------------------------------------------------------------------------------
@@ -529,7 +562,8 @@ def print_table(results: Results, thread_counts: list[int], rounds: int, env: En
         for spec in ROWS:
             runs = results.get((spec.key, threads))
             if runs is None:
-                print(f"{threads:>3}  {spec.key:<8} {spec.label:<38} {sql_row_skipped(env)}")
+                if spec.key == "sql" and sql_row_skipped(env):
+                    print(f"{threads:>3}  {spec.key:<8} {spec.label:<38} {sql_row_skipped(env)}")
                 continue
             p50, p99, cpu = (median([getattr(m, a) for m in runs]) for a in MEDIANS)
             rate, vs_bare = (
@@ -542,8 +576,10 @@ def print_table(results: Results, thread_counts: list[int], rounds: int, env: En
             )
             if rounds > 1:
                 line += f"  {min(m.tps for m in runs):,.0f}-{max(m.tps for m in runs):,.0f}"
-            if spec.key == "1phase":
+            if spec.key == "1phase" and ("1pc", threads) in results:
                 line += f"  ({ratio(results, '1phase', '1pc', threads):.2f}x plain 1PC)"
+            if spec.key == "llr" and ("file", threads) in results:
+                line += f"  ({ratio(results, 'llr', 'file', threads):.2f}x file)"
             print(line)
         print()
     print("CPU us = this process's CPU (all threads) per transaction; the servers' is not in it.")
@@ -563,6 +599,8 @@ def targets(thread_counts: list[int]) -> list[tuple[str, str, int, float]]:
 def print_targets(results: Results, thread_counts: list[int]) -> None:
     print("targets (tx/s ratios):")
     for key, ref, threads, want in targets(thread_counts):
+        if (key, threads) not in results or (ref, threads) not in results:
+            continue
         got = ratio(results, key, ref, threads)
         print(
             f"  [{'met   ' if got >= want else 'MISSED'}] {key:<8} vs {ref:<5} at {threads} "
@@ -570,11 +608,29 @@ def print_targets(results: Results, thread_counts: list[int]) -> None:
         )
     print("like for like (same Session API on both sides; not a target, context for the misses):")
     for threads in thread_counts:
+        if not {("1phase", threads), ("sa1pc", threads), ("file", threads), ("sa", threads)} <= (
+            results.keys()
+        ):
+            continue
         print(
             f"  1phase vs sa1pc at {threads} thread(s): "
             f"{ratio(results, '1phase', 'sa1pc', threads):5.2f}x;  file vs sa: "
             f"{ratio(results, 'file', 'sa', threads):5.2f}x"
         )
+
+
+def write_json(path: Path, results: Results) -> None:
+    """One object per row and thread count, medians over the rounds."""
+    rows = [
+        {
+            "row": key,
+            "threads": threads,
+            "tps": round(median([m.tps for m in runs]), 1),
+            "cpu_us": round(median([m.cpu_us for m in runs]), 1),
+        }
+        for (key, threads), runs in results.items()
+    ]
+    path.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
 
 
 def context(env: Env) -> None:
@@ -719,6 +775,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--url-b", help="SQLAlchemy URL of database B")
     parser.add_argument("--url-log", help="SQLAlchemy URL for the SqlDecisionLog row")
     parser.add_argument("--profile", action="store_true", help="profile the twopc file row")
+    parser.add_argument("--rows", default="", help="only these rows, e.g. bare,file,llr")
+    parser.add_argument("--json", type=Path, help="write the results to PATH as JSON")
     return parser.parse_args()
 
 
@@ -743,6 +801,9 @@ def main() -> None:
             print_table(results, thread_counts, args.rounds, env)
             print("verified: every committed row in A and B, no prepared transaction left\n")
             print_targets(results, thread_counts)
+            if args.json:
+                write_json(args.json, results)
+                print(f"\nwrote {args.json}")
     finally:
         shutil.rmtree(log_root, ignore_errors=True)
 

@@ -14,11 +14,12 @@ import contextvars
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, NoReturn
 
-from . import protocol
+from . import _last_resource, protocol
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog, HeuristicRecord
 from .errors import (
@@ -153,7 +154,9 @@ def _complete(tx: Transaction) -> Outcome:
     if chosen == Plan.NOTHING:
         return _finish(tx, TxState.COMMITTED, Outcome.COMMITTED)
     if chosen == Plan.ONE_PHASE:
-        return _one_phase(tx)
+        return _one_phase(tx, tx.ordered_branches()[0])
+    if tx.last_branch is not None:
+        return _two_phase_last(tx, tx.last_branch)
     return _two_phase(tx)
 
 
@@ -186,8 +189,7 @@ def _before_completion(tx: Transaction) -> None:
 # -- one phase ---------------------------------------------------------------------------------
 
 
-def _one_phase(tx: Transaction) -> Outcome:
-    branch = tx.ordered_branches()[0]
+def _one_phase(tx: Transaction, branch: Branch) -> Outcome:
     try:
         branch.resource.commit(branch.xid, one_phase=True)
     except OutcomeUnknownError:
@@ -211,7 +213,7 @@ def _one_phase(tx: Transaction) -> Outcome:
 def _two_phase(tx: Transaction) -> Outcome:
     started = time.perf_counter()
     order = [b.resource.name for b in tx.ordered_branches()]
-    votes, error = _phase_one(tx)
+    votes, error = _phase_one(tx, tx.ordered_branches())
     tx.manager.metrics.observe("prepare", time.perf_counter() - started)
     result = protocol.tally(order, votes)
     if result.verdict == Verdict.ABORT:
@@ -226,11 +228,44 @@ def _two_phase(tx: Transaction) -> Outcome:
     return _phase_two(tx, result.commit)
 
 
-def _phase_one(tx: Transaction) -> tuple[dict[str, Vote | None], BaseException | None]:
+def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
+    """Logging last resource: prepare every other branch, then commit ``last`` in one phase
+    with the decision row inside it (the commit point), then commit the others."""
+    started = time.perf_counter()
+    others = [b for b in tx.ordered_branches() if b is not last]
+    votes, error = _phase_one(tx, others)
+    tx.manager.metrics.observe("prepare", time.perf_counter() - started)
+    result = protocol.tally([b.resource.name for b in others], votes)
+    if result.verdict == Verdict.ABORT:
+        return _abort(tx, (*result.rollback, last.resource.name), error)
+    if result.verdict == Verdict.READ_ONLY:  # alone now: its own commit decides, no row needed
+        refused = _last_resource.commit_alone(tx)
+        if refused is not None:
+            _abort(tx, (last.resource.name,), refused)
+        return _one_phase(tx, last)
+    if len(result.commit) < len(others):
+        crash_point("tm.read_only.after_vote")
+    failure = _last_resource.commit_point(tx, last, result.commit)
+    if isinstance(failure, OutcomeUnknownError):
+        _finish(tx, TxState.UNKNOWN, None)  # tx.llr_in_doubt: recovery reads the row
+        raise OutcomeUnknownError(
+            f"the last resource's commit of {tx.gtrid} may or may not have happened; the other "
+            "branches stay prepared until recovery reads its decision table",
+            gtrid=tx.gtrid,
+        ) from failure
+    if failure is not None:
+        _abort(tx, (*result.commit, last.resource.name), failure)
+    crash_point("tm.llr.after_commit")
+    resource = _last_resource.as_last(last.resource)
+    return _phase_two(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
+
+
+def _phase_one(
+    tx: Transaction, branches: list[Branch]
+) -> tuple[dict[str, Vote | None], BaseException | None]:
     """Collect votes; stop at the first no (sequential) or wait for all (parallel)."""
     crash_point("tm.before_prepare")
     votes: dict[str, Vote | None] = {}
-    branches = tx.ordered_branches()
     if tx.manager.parallel and len(branches) > 1:
         return _parallel_prepare(tx, branches)
     for index, branch in enumerate(branches, 1):
@@ -329,11 +364,7 @@ def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None
             raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
         tx.manager.log.log_commit(decision)
     except FencedError as exc:
-        # past the deadline (or the caller left): a timeout; otherwise the log's lease was taken
-        # over and this manager may decide nothing more, which no retry here can change
-        timed_out = tx.caller_gave_up or getattr(exc, "deadline", None) is not None
-        tx.rollback_reason = "timeout" if timed_out else "fenced"
-        tx.move_to(TxState.ROLLING_BACK)
+        tx.fenced(exc)
         return exc
     except LogWriteError as exc:
         if exc.durable is None:
@@ -346,7 +377,10 @@ def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None
     return None
 
 
-def _phase_two(tx: Transaction, names: tuple[str, ...]) -> Outcome:
+def _phase_two(
+    tx: Transaction, names: tuple[str, ...], end: Callable[[], None] | None = None
+) -> Outcome:
+    """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
     if tx.manager.parallel and len(branches) > 1:
@@ -363,7 +397,10 @@ def _phase_two(tx: Transaction, names: tuple[str, ...]) -> Outcome:
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
-        write_end(tx.manager.log, tx.gtrid)
+        if end is None:
+            write_end(tx.manager.log, tx.gtrid)
+        else:
+            end()
     _finish(tx, TxState.COMMITTED, outcome)
     if outcome.is_heuristic:
         raise _HEURISTIC_ERRORS.get(outcome, HeuristicMixed)(

@@ -368,7 +368,7 @@ class TransactionManager:
     def ended(self, tx: Transaction) -> None:
         with self._lock:
             self._in_flight.pop(tx.gtrid, None)
-            if tx.state == TxState.UNKNOWN:
+            if tx.state == TxState.UNKNOWN and not tx.llr_in_doubt:
                 self._unknown.add(tx.gtrid)
             if tx.unconfirmed:
                 self._loose[tx.gtrid] = tx

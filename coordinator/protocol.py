@@ -122,14 +122,21 @@ class Action(enum.Enum):
     LEAVE_ALONE = "leave-alone"  # another node's, another format's, or possibly still in flight
 
 
-def recovery_action(*, ours: bool, has_decision: bool, maybe_in_flight: bool) -> Action:
+def recovery_action(
+    *, ours: bool, has_decision: bool, maybe_in_flight: bool, decision_known: bool = True
+) -> Action:
     """Presumed abort with the coordinator's in-flight guard.
 
     A transaction still in flight in this live manager belongs to its own thread, decision or not:
     its phase two is running, and two committers racing on one branch is how servers answer
-    "prepared transaction is busy". Past that, a logged decision means commit; foreign branches
-    are never touched; and what is ours, settled, and undecided was never committed.
+    "prepared transaction is busy". Past that, a logged decision (or a last resource's decision
+    row) means commit; foreign branches are never touched; and what is ours, settled, and
+    undecided was never committed -- provided every place a decision can live answered:
+    ``decision_known`` is False while a last resource's table cannot be read, and then the
+    absence of a decision proves nothing.
     """
     if maybe_in_flight or not ours:
         return Action.LEAVE_ALONE
-    return Action.COMMIT if has_decision else Action.ROLLBACK
+    if has_decision:
+        return Action.COMMIT
+    return Action.ROLLBACK if decision_known else Action.LEAVE_ALONE

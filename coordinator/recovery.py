@@ -3,7 +3,11 @@
 One pass does, in this order:
 1. every COMMIT without END: commit each branch again (idempotent), then write END;
 2. every prepared branch a resource lists that is ours, not possibly in flight, and has no
-   decision: roll it back (presumed abort).
+   decision in the log: commit it if a last resource holds its decision row, else roll it back
+   (presumed abort). The last resources are asked once per pass, for every such gtrid at once,
+   and the question fences the gtrids without a row (`coordinator.last_resource`); if one cannot
+   answer, nothing is presumed this pass;
+3. decision rows of last resources whose transactions have ended are deleted.
 What cannot finish now is retried with back-off on a later pass; nothing is guessed.
 
 Sub-branches (``<resource>~<tag>``, see `coordinator.xid`) are branches begun by processes this
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +34,7 @@ from ._completion import judge_commit, record_heuristic, write_end
 from .backoff import Backoff
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog
+from .last_resource import LastResource, is_last_resource
 from .metrics import Metrics
 from .protocol import Action, BranchResult
 from .resource import Outcome, Resource
@@ -110,8 +116,7 @@ class Recovery:
             self._finish_decision(decision, guard, report, force)
         if presume_abort:
             decided = {d.gtrid for d in self.log.pending()}
-            for resource in self._ordered_resources():
-                self._presume_abort(resource, decided, guard, report, force)
+            self._presume_abort(decided, guard, report, force)
         self.metrics.observe("recovery", time.perf_counter() - started)
         self.metrics.incr("recovery_passes")
         return report
@@ -158,23 +163,64 @@ class Recovery:
     # -- 2. presumed abort ---------------------------------------------------------------------
 
     def _presume_abort(
-        self,
-        resource: Resource,
-        decided: set[str],
-        guard: InFlightGuard,
-        report: RecoveryReport,
-        force: bool,
+        self, decided: set[str], guard: InFlightGuard, report: RecoveryReport, force: bool
     ) -> None:
+        """List every resource, then ask the last resources about the undecided, then act."""
+        candidates: list[tuple[Resource, Xid]] = []
+        prepared: Counter[str] = Counter()  # listed branches per gtrid still prepared
+        complete = True  # every resource listed: a decision row without prepared branches is done
+        for resource in self._ordered_resources():
+            listed = self._list(resource, report, force)
+            if listed is None:
+                complete = False
+                continue
+            prepared.update(xid.gtrid for xid in listed)
+            candidates += self._undecided(resource, listed, decided, guard, report, force=force)
+        lasts = [r for r in self._ordered_resources() if is_last_resource(r)]
+        committed, known = self._last_decisions(lasts, {x.gtrid for _, x in candidates}, report)
+        for resource, xid in candidates:
+            action = protocol.recovery_action(
+                ours=True,
+                has_decision=xid.gtrid in committed,
+                maybe_in_flight=False,
+                decision_known=known,
+            )
+            if action == Action.COMMIT:
+                done = self._commit_listed(resource, xid, report)
+            elif action == Action.ROLLBACK:
+                done = self._rollback(resource, xid, report)
+            else:
+                done = False
+                report.deferred += 1
+            prepared[xid.gtrid] -= done
+        if complete:
+            self._drop_ended_decisions(lasts, set(+prepared), guard)
+
+    def _list(self, resource: Resource, report: RecoveryReport, force: bool) -> list[Xid] | None:
         key = f"recover:{resource.name}"
         if not (force or self.retries.is_due(key)):
             report.deferred += 1
-            return
+            return None
         try:
             prepared = resource.recover()
         except Exception as exc:
             self._failed(key, exc, report)
-            return
+            return None
         self.retries.succeeded(key)
+        return prepared
+
+    def _undecided(
+        self,
+        resource: Resource,
+        prepared: list[Xid],
+        decided: set[str],
+        guard: InFlightGuard,
+        report: RecoveryReport,
+        *,
+        force: bool,
+    ) -> list[tuple[Resource, Xid]]:
+        """The listed branches that are ours, settled, due, and without a logged decision."""
+        found = []
         for xid in prepared:
             mine = xid.bqual == resource.name or is_sub_branch_of(xid.bqual, resource.name)
             action = protocol.recovery_action(
@@ -184,21 +230,77 @@ class Recovery:
             )
             if action != Action.ROLLBACK:
                 report.left_alone += action == Action.LEAVE_ALONE
-                continue
-            if force or self.retries.is_due(xid.to_gid()):
-                self._rollback(resource, xid, report)
+            elif force or self.retries.is_due(xid.to_gid()):
+                found.append((resource, xid))
             else:
                 report.deferred += 1
+        return found
 
-    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> None:
+    def _last_decisions(
+        self, lasts: list[LastResource], gtrids: set[str], report: RecoveryReport
+    ) -> tuple[set[str], bool]:
+        """(gtrids with a decision row, whether every last resource answered).
+
+        Asking fences: a gtrid without a row gets an abort row, so its commit can no longer
+        happen. Only the node's owner may do that (a lease taken over: its transactions).
+        """
+        if not gtrids or not lasts:
+            return set(), True
+        committed: set[str] = set()
+        for resource in lasts:
+            try:
+                self.log.check_owner()
+                committed |= resource.decisions_of(sorted(gtrids))
+            except Exception as exc:
+                self._failed(f"decisions:{resource.name}", exc, report)
+                return set(), False
+            self.retries.succeeded(f"decisions:{resource.name}")
+        crash_point("recovery.llr.after_lookup")
+        return committed, True
+
+    def _commit_listed(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
+        """A branch whose decision is a last resource's row: commit it (idempotent)."""
+        try:
+            reported = resource.commit(xid)
+        except Exception as exc:
+            return self._failed(xid.to_gid(), exc, report)
+        self._resolved_one()
+        self.retries.succeeded(xid.to_gid())
+        if xid.gtrid not in report.committed:
+            report.committed.append(xid.gtrid)
+        self.metrics.incr("recovered_commits")
+        result = judge_commit(self.log, xid.gtrid, xid.bqual, reported)
+        if result != BranchResult.DONE:
+            report.heuristics.append(f"{xid}: {result.value}")
+        return True
+
+    def _drop_ended_decisions(
+        self, lasts: list[LastResource], prepared: set[str], guard: InFlightGuard
+    ) -> None:
+        """Delete decision rows no branch needs: not in flight, nothing of theirs prepared (every
+        resource was listed after the guard's snapshot), every branch a configured resource."""
+        for resource in lasts:
+            try:
+                rows = resource.committed_decisions(self.node_id)
+                ended = {
+                    gtrid
+                    for gtrid, branches in rows.items()
+                    if gtrid not in prepared
+                    and not guard.maybe_in_flight(gtrid)
+                    and all(resource_of(b, self.resources) for b in branches)
+                }
+                resource.drop_decisions(sorted(ended))
+            except Exception as exc:  # only housekeeping: the rows are retried next pass
+                log.warning("decision rows of %s not cleaned up: %r", resource.name, exc)
+
+    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
         try:
             # Presumed abort is a decision too: once another process owns our node (a lease taken
             # over), the branch may be its in-flight transaction, so a fenced log stops us here.
             self.log.check_owner()
             reported = resource.rollback(xid)
         except Exception as exc:
-            self._failed(xid.to_gid(), exc, report)
-            return
+            return self._failed(xid.to_gid(), exc, report)
         self._resolved_one()
         self.retries.succeeded(xid.to_gid())
         report.rolled_back.append(xid.to_gid())
@@ -206,6 +308,7 @@ class Recovery:
         if reported == Outcome.HEURISTIC_COMMIT:
             record_heuristic(self.log, xid.gtrid, resource.name, reported)
             report.heuristics.append(f"{xid}: {reported.value}")
+        return True
 
     def _young(self, xid: Xid) -> bool:
         """A stamped sub-branch within its grace: its unknown owner may still be deciding."""

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _completion
-from .errors import IllegalStateError, TransactionRolledBack, TransactionTimedOut
+from .errors import (
+    IllegalStateError,
+    ProgrammingError,
+    TransactionRolledBack,
+    TransactionTimedOut,
+)
+from .last_resource import is_last_resource
 from .resource import Outcome, Resource, Synchronization
 from .states import TxState, check_transition, require
 from .xid import Xid
@@ -73,11 +79,16 @@ class Transaction:
         self.outcome: Outcome | None = None
         self.rollback_reason: str | None = None
         self.branches: dict[str, Branch] = {}
+        #: the branch of the one last resource that joined (`coordinator.last_resource`), if any
+        self.last_branch: Branch | None = None
         self.synchronizations: list[Synchronization] = []
         #: set when the caller stopped waiting before the commit point: no decision may follow
         self.caller_gave_up = False
         #: committed without a decision record: a late answer is unknown, not pending
         self.one_phase = False
+        #: unknown outcome of a last resource's commit: its decision table, not this process's
+        #: memory, settles it, so recovery may resolve the other branches (`recovery`)
+        self.llr_in_doubt = False
         #: rolled back by the reaper behind its owner's back: the owner must hear so, not commit
         self.reaped = False
         #: branches told to roll back that did not confirm it: they may still hold this attempt's
@@ -101,10 +112,18 @@ class Transaction:
                 if branch.resource is not resource:
                     raise IllegalStateError(f"another resource named {resource.name!r} joined")
                 return branch.handle
+            last = is_last_resource(resource)
+            if last and self.last_branch is not None:
+                raise ProgrammingError(
+                    f"{resource.name!r} is a last resource and {self.last_branch.resource.name!r} "
+                    "already joined as one: a transaction may have at most one last resource"
+                )
             self.manager.register(resource)
             xid = Xid.branch_of(self.gtrid, resource.name)
             handle = resource.start(xid)
-            self.branches[resource.name] = Branch(resource, xid, handle)
+            branch = self.branches[resource.name] = Branch(resource, xid, handle)
+            if last:
+                self.last_branch = branch
             return handle
 
     def set_rollback_only(self, reason: str = "application") -> None:
@@ -155,6 +174,17 @@ class Transaction:
         with self._lock:
             check_transition(self.state, target)
             self.state = target
+
+    def fenced(self, error: BaseException) -> None:
+        """The commit point refused (`FencedError`): roll back, and say why.
+
+        Past the deadline (or the caller left) it is a timeout; otherwise the log's lease was
+        taken over (or a last resource's row fenced the gtrid) and this manager may decide
+        nothing more for it, which no retry here can change.
+        """
+        timed_out = self.caller_gave_up or getattr(error, "deadline", None) is not None
+        self.rollback_reason = "timeout" if timed_out else "fenced"
+        self.move_to(TxState.ROLLING_BACK)
 
     def ordered_branches(self) -> list[Branch]:
         """Branches in ascending ``sort_key`` (then name) order: the order of every phase."""

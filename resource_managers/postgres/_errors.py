@@ -51,6 +51,11 @@ def is_not_preparable(error: BaseException) -> bool:
     return isinstance(unwrap(error), psycopg2.errors.FeatureNotSupported)
 
 
+def is_unique_violation(error: BaseException) -> bool:
+    """A duplicate key (SQLSTATE 23505): for a last resource, recovery's abort row."""
+    return isinstance(unwrap(error), psycopg2.errors.UniqueViolation)
+
+
 def is_permission_denied(error: BaseException) -> bool:
     return isinstance(unwrap(error), psycopg2.errors.InsufficientPrivilege)
 

@@ -25,6 +25,10 @@ connection the pool gives. Three things here are not what a first attempt would 
 
 One-phase commits (this database is the only participant) skip all of it: no marker, no prepare,
 just ``COMMIT`` with its tag checked.
+
+``last_resource=True`` makes the database a logging last resource (`coordinator.last_resource`):
+its branch never prepares; ``commit_with_decision`` sends the decision row, the deletion of rows
+whose transactions ended, and ``COMMIT`` in one round trip (`_decision_table` has the SQL).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import psycopg2.extensions as ext
 from sqlalchemy import event
@@ -56,9 +60,12 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
+from coordinator.decision_log import Decision
+from coordinator.errors import FencedError
 from coordinator.xid import branches_of
 
 from . import _errors
+from ._decision_table import DecisionTable
 
 log = logging.getLogger("twopc.postgres")
 T = TypeVar("T")
@@ -101,6 +108,7 @@ class _ServerFacts:
     role: str
     max_prepared: int
     marker_table: str | None  # schema-qualified and quoted, or None without markers
+    decisions: DecisionTable | None  # a last resource's decision table
 
 
 class PostgresResource:
@@ -112,6 +120,9 @@ class PostgresResource:
     ``isolation_level`` sets the branch transaction's level (default: the server's).
     ``outcome_markers=False`` drops the marker table and with it the ability to tell an
     operator's rollback from an earlier commit (an unknown gid is then taken as committed).
+    ``last_resource=True``: a logging last resource (see the module docstring); its decision
+    rows live in ``decision_table``, abort fences are kept for ``marker_retention``. Such a
+    database needs no ``max_prepared_transactions``.
     """
 
     def __init__(
@@ -127,6 +138,8 @@ class PostgresResource:
         marker_retention: float = 7 * 24 * 3600.0,
         busy_retries: int = 20,
         busy_delay: float = 0.05,
+        last_resource: bool = False,
+        decision_table: str = "twopc_decision_row",
     ) -> None:
         if engine.dialect.driver != "psycopg2":
             raise ConfigurationError(
@@ -134,8 +147,9 @@ class PostgresResource:
             )
         if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
             raise ConfigurationError(f"isolation_level must be one of {_ISOLATION_LEVELS}")
-        if not _IDENTIFIER.match(marker_table):
-            raise ConfigurationError(f"marker_table {marker_table!r} is not a plain identifier")
+        for label, table in (("marker_table", marker_table), ("decision_table", decision_table)):
+            if not _IDENTIFIER.match(table):
+                raise ConfigurationError(f"{label} {table!r} is not a plain identifier")
         self.engine = engine
         self._name = name or _default_name(engine)
         self._sort_key = sort_key or self._name
@@ -152,6 +166,9 @@ class PostgresResource:
         self._branches: dict[Xid, _Branch] = {}
         self._facts: _ServerFacts | None = None
         self._last_purge = 0.0
+        self._last = last_resource
+        self._decision_name = decision_table
+        self._ended: list[str] = []  # decision rows to delete with the next commit or cleanup
 
     @property
     def name(self) -> str:
@@ -161,6 +178,10 @@ class PostgresResource:
     def sort_key(self) -> str:
         return self._sort_key
 
+    @property
+    def last_resource(self) -> bool:
+        return self._last
+
     def __repr__(self) -> str:
         return f"PostgresResource({self._name!r}, {self.engine.url.render_as_string()!r})"
 
@@ -168,7 +189,7 @@ class PostgresResource:
 
     def start(self, xid: Xid) -> Session:
         facts = self._server_facts()
-        if facts.max_prepared <= 0:
+        if facts.max_prepared <= 0 and not self._last:
             raise ConfigurationError(
                 f"{self._name}: the server has max_prepared_transactions = 0, so it cannot take "
                 "part in two-phase commit; set max_prepared_transactions (at least "
@@ -225,16 +246,7 @@ class PostgresResource:
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branch(xid)
-        try:
-            branch.session.flush()
-        except Exception as exc:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
-        if branch.failure is None and self._in_error(branch):
-            branch.failure = branch.last_error or "a statement failed earlier in the transaction"
-        if branch.failure is not None:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+        self._flush_for_commit(branch)
         if not branch.may_write and not self._has_xid(branch):
             self._end_local(branch)
             return Vote.READ_ONLY
@@ -297,15 +309,22 @@ class PostgresResource:
             return Outcome.HEURISTIC_ROLLBACK
         return None
 
-    def _commit_one_phase(self, branch: _Branch) -> Outcome | None:
+    def _flush_for_commit(self, branch: _Branch) -> None:
+        """Flush the session; a branch whose work failed is ended here and votes no (the
+        transaction's status is psycopg2's, read without a round trip)."""
         try:
             branch.session.flush()
         except Exception as exc:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
+        if branch.failure is None and self._in_error(branch):
+            branch.failure = branch.last_error or "a statement failed earlier in the transaction"
         if branch.failure is not None:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
+
+    def _commit_one_phase(self, branch: _Branch) -> Outcome | None:
+        self._flush_for_commit(branch)
         try:
             tag = self._raw(_dbapi(branch.connection), "COMMIT")
         except Exception as exc:
@@ -360,6 +379,85 @@ class PostgresResource:
                     f"{self._name}: {verb} of {gid} did not complete, will retry: "
                     f"{_errors.describe(exc)}"
                 ) from exc
+
+    # -- the last resource (coordinator.last_resource) ---------------------------------------------
+
+    def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
+        """The branch's data and the decision row in one server commit, one round trip."""
+        branch = self._branch(xid)
+        table = self._decision_table()
+        self._flush_for_commit(branch)
+        with self._lock:
+            ended, self._ended = self._ended, []
+        node = xid.node_id or ""
+        sql, params = table.commit(decision.gtrid, node, decision.branches, ended)
+        try:
+            tag = self._raw(_dbapi(branch.connection), sql, params)
+        except Exception as exc:
+            self._requeue(ended)
+            self._lost_last_commit(branch, exc)
+        self._discard(branch, broken=False)
+        if tag != "COMMIT":  # the transaction had failed: the server rolled it back
+            self._requeue(ended)
+            raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
+
+    def _lost_last_commit(self, branch: _Branch, exc: Exception) -> NoReturn:
+        """Say what a failed commit-with-decision leaves: unknown, fenced, or rolled back."""
+        if _errors.is_unreachable(exc):
+            self._discard(branch, broken=True)
+            raise OutcomeUnknownError(
+                f"{self._name}: connection lost while committing the last resource with its "
+                f"decision; recovery reads the decision table: {_errors.describe(exc)}",
+                gtrid=branch.xid.gtrid,
+            ) from exc
+        self._end_local(branch)
+        if _errors.is_unique_violation(exc):  # recovery's abort row holds the gtrid
+            raise FencedError(
+                f"{self._name}: recovery presumed {branch.xid.gtrid} aborted before its last "
+                "resource could commit; it rolls back",
+                gtrid=branch.xid.gtrid,
+            ) from exc
+        raise BranchFailed(
+            f"{self._name}: commit with the decision failed: {_errors.describe(exc)}"
+        ) from exc
+
+    def decisions_of(self, gtrids: Collection[str]) -> set[str]:
+        crash_point(f"postgres.{self._name}.before_decision_lookup")
+        wanted = sorted(gtrids)
+        if not wanted:
+            return set()
+        rows = self._pooled_query(*self._decision_table().fence_and_read(wanted))
+        return {str(gtrid) for (gtrid,) in rows}
+
+    def committed_decisions(self, node_id: str) -> dict[str, tuple[str, ...]]:
+        rows = self._pooled_query(*self._decision_table().committed(node_id))
+        return {str(gtrid): tuple(branches) for gtrid, branches in rows}
+
+    def end_decision(self, gtrid: str) -> None:
+        with self._lock:
+            self._ended.append(gtrid)
+
+    def drop_decisions(self, gtrids: Collection[str]) -> None:
+        with self._lock:
+            ended, self._ended = self._ended, []
+        gone = sorted({*ended, *gtrids})
+        if not gone:
+            return
+        try:
+            self._pooled_exec(*self._decision_table().drop(gone))
+        except Exception:
+            self._requeue(ended)
+            raise
+
+    def _requeue(self, ended: list[str]) -> None:
+        with self._lock:
+            self._ended[:0] = ended
+
+    def _decision_table(self) -> DecisionTable:
+        table = self._server_facts().decisions
+        if table is None:
+            raise ProgrammingError(f"{self._name} is not a last resource (last_resource=False)")
+        return table
 
     # -- recovery ----------------------------------------------------------------------------------
 
@@ -420,16 +518,20 @@ class PostgresResource:
         return bool(rows)
 
     def _purge_markers(self) -> None:
+        """Markers and abort fences past ``marker_retention``, once a minute at most."""
         facts = self._server_facts()
         now = time.monotonic()
-        if facts.marker_table is None or now - self._last_purge < 60:
+        if now - self._last_purge < 60:
             return
         self._last_purge = now
-        self._pooled_exec(
-            f"DELETE FROM {facts.marker_table} "
-            "WHERE committed_at < now() - make_interval(secs => %s)",
-            [self._marker_retention],
-        )
+        if facts.marker_table is not None:
+            self._pooled_exec(
+                f"DELETE FROM {facts.marker_table} "
+                "WHERE committed_at < now() - make_interval(secs => %s)",
+                [self._marker_retention],
+            )
+        if facts.decisions is not None:
+            self._pooled_exec(*facts.decisions.purge_fences(self._marker_retention))
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -446,33 +548,31 @@ class PostgresResource:
                     "SELECT current_database(), current_user, "
                     "current_setting('max_prepared_transactions')::int, current_schema()",
                 )
-                table = None
+                table, decisions = None, None
+                if (self._markers or self._last) and schema is None:
+                    raise ConfigurationError(
+                        f"{self._name}: no schema of the search_path exists, so there is "
+                        "nowhere to keep twopc's tables; create one or set search_path"
+                    )
                 if self._markers:
-                    if schema is None:
-                        raise ConfigurationError(
-                            f"{self._name}: no schema of the search_path exists, so there is "
-                            "nowhere to keep the outcome marker table; create one or set "
-                            "search_path"
-                        )
                     table = f'"{schema}"."{self._marker_name}"'
-                    self._ensure_marker_table(connection, table)
-            return _ServerFacts(str(database), str(role), int(max_prepared), table)
+                    self._ensure_table(connection, table, _marker_ddl(table), "outcome marker")
+                if self._last:
+                    decisions = DecisionTable(f'"{schema}"."{self._decision_name}"')
+                    self._ensure_table(connection, decisions.table, decisions.ddl(), "decision")
+            return _ServerFacts(str(database), str(role), int(max_prepared), table, decisions)
 
         facts = self._facts = self._once_more(look)
         return facts
 
-    def _ensure_marker_table(self, connection: Any, table: str) -> None:
-        """Create the marker table if it is missing, or say exactly what an admin must run.
+    def _ensure_table(self, connection: Any, table: str, ddl: str, what: str) -> None:
+        """Create one of our tables if it is missing, or say exactly what an admin must run.
 
         Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
         schema even when the table is there, and PostgreSQL 15 took that from ordinary roles.
         """
         if self._query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
             return
-        ddl = (
-            f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
-            "committed_at timestamptz NOT NULL DEFAULT now())"
-        )
         for attempt in range(3):
             try:
                 self._raw(connection, ddl)
@@ -480,7 +580,7 @@ class PostgresResource:
             except Exception as exc:
                 if _errors.is_permission_denied(exc):
                     raise ConfigurationError(
-                        f"{self._name}: the role may not create the outcome marker table "
+                        f"{self._name}: the role may not create the {what} table "
                         f"({_errors.describe(exc)}); have an administrator run: {ddl}; "
                         f"GRANT SELECT, INSERT, DELETE ON {table} TO <role>"
                     ) from exc
@@ -678,6 +778,13 @@ def _on_soft_rollback(session: Session, previous: Any) -> None:
     branch.failure = "the session was rolled back"
     if branch.last_error:
         branch.failure += f" after: {branch.last_error}"
+
+
+def _marker_ddl(table: str) -> str:
+    return (
+        f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
+        "committed_at timestamptz NOT NULL DEFAULT now())"
+    )
 
 
 class _ConnectionLost(TransientError):

@@ -6,11 +6,12 @@
     python tests/crash/pg_worker.py serve   (a fork server: one request per line on stdin)
 
 Each ``--db name=URL`` is one `PostgresResource` named ``name`` (its crash point is
-``postgres.<name>.after_prepare``). ``--log`` is ``file:DIR`` (a `FileDecisionLog`) or
-``sql:URL`` (a `SqlDecisionLog` under the same node id; ``--lease-seconds``,
-``--acquire-timeout``). Every database holds the schema of `SCHEMA`: ``accounts`` and one
-``transfers`` row per branch that wrote, keyed by the gtrid, so a test can tell per transaction
-which databases it reached. Printed (flushed, so a SIGKILL loses nothing printed), as worker.py::
+``postgres.<name>.after_prepare``); ``--last NAME`` makes that one a logging last resource.
+``--log`` is ``file:DIR`` (a `FileDecisionLog`) or ``sql:URL`` (a `SqlDecisionLog` under the
+same node id; ``--lease-seconds``, ``--acquire-timeout``). Every database holds the schema of
+`SCHEMA`: ``accounts`` and one ``transfers`` row per branch that wrote, keyed by the gtrid, so
+a test can tell per transaction which databases it reached. Printed (flushed, so a SIGKILL loses
+nothing printed), as worker.py::
 
     BEGIN <gtrid> <kind> <resources that wrote>    before commit is called
     STOPPED <point>                                --stop-at POINT[:NTH]: then it SIGSTOPs itself
@@ -21,7 +22,8 @@ which databases it reached. Printed (flushed, so a SIGKILL loses nothing printed
 
 ``run`` kinds (as worker.py): ``2pc`` moves one unit from ``--account`` of a to the same account
 of b and writes a ledger row in c when there is a c; ``veto``: the same, but c's insert breaks
-NOT NULL so c votes no; ``1pc``: a ledger row in a alone; ``ro``: a -> b while c only reads.
+NOT NULL so c votes no; ``1pc``: a ledger row in a alone; ``ro``: a -> b while c only reads;
+``rob``: ledger rows in a and c while b only reads.
 
 ``bank``: ``--threads`` clients move random amounts between random accounts of a and b (each
 transfer debits one database and credits the other) until killed; ``recover_on_start`` runs
@@ -69,7 +71,7 @@ from coordinator.transaction import Transaction
 from resource_managers.postgres import PostgresResource, SqlDecisionLog
 
 NODE_ID = "pg-crash-node"
-KINDS = ("2pc", "veto", "1pc", "ro")
+KINDS = ("2pc", "veto", "1pc", "ro", "rob")
 
 SCHEMA = (
     "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)",
@@ -106,19 +108,21 @@ def open_log(spec: str, node_id: str, args: argparse.Namespace) -> DecisionLog:
     raise SystemExit(f"--log must be file:DIR or sql:URL, not {spec!r}")
 
 
-def open_resources(dbs: dict[str, str], pool_size: int) -> list[PostgresResource]:
+def open_resources(
+    dbs: dict[str, str], pool_size: int, last: str | None = None
+) -> list[PostgresResource]:
     resources = []
     for name, url in dbs.items():
         # a lock held by a crashed run's prepared branch must fail a statement, never hang it
         engine = create_engine(
             url, pool_size=pool_size, connect_args={"options": "-c lock_timeout=5000"}
         )
-        resources.append(PostgresResource(engine, name))
+        resources.append(PostgresResource(engine, name, last_resource=name == last))
     return resources
 
 
 def open_manager(args: argparse.Namespace, *, recover_on_start: bool) -> TransactionManager:
-    resources = open_resources(args.db, args.threads + 2)
+    resources = open_resources(args.db, args.threads + 2, args.last)
     return TransactionManager(
         args.node,
         open_log(args.log, args.node, args),
@@ -179,6 +183,11 @@ def work(
         move(a, tx.gtrid, None, 0)
         return ["a"]
     b = tx.join(tm.resource("b"))
+    if kind == "rob":
+        move(a, tx.gtrid, None, 0)
+        b.execute(text("SELECT count(*) FROM transfers"))
+        move(tx.join(tm.resource("c")), tx.gtrid, None, 1)
+        return ["a", "c"]
     move(a, tx.gtrid, account, -1)
     move(b, tx.gtrid, account, 1)
     if not ledger:
@@ -349,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("run", "recover", "bank", "serve"))
     parser.add_argument("--db", type=database, action="append", default=[])
+    parser.add_argument("--last", default=None, help="the --db that is a logging last resource")
     parser.add_argument("--log", default="", help="file:DIR or sql:URL")
     parser.add_argument("--node", default=NODE_ID)
     parser.add_argument("--plan", default="2pc,2pc,2pc")

@@ -58,7 +58,7 @@ from resource_managers.redis import RedisBranch, RedisResource
 from tests.crash.pg_worker import finish, move, open_log, run_clients, say, serve
 
 NODE_ID = "redis-crash-node"
-KINDS = ("2pc", "veto", "1pc", "ro")
+KINDS = ("2pc", "veto", "1pc", "ro", "rob")
 NONE = "-"  # the account of a record that moves no money
 
 
@@ -103,7 +103,7 @@ def open_resources(args: argparse.Namespace) -> list[Resource]:
     client = redis_client(args.redis)
     options: dict[str, Any] = {"namespace": args.namespace, "lock_wait": args.lock_wait}
     resources: list[Resource] = [
-        PostgresResource(engine, "a"),
+        PostgresResource(engine, "a", last_resource=args.last == "a"),
         RedisResource(client, "b", blind_writes=args.blind, **options),
     ]
     if args.ledger:
@@ -140,6 +140,11 @@ def work(tm: TransactionManager, tx: Transaction, args: argparse.Namespace, kind
     if kind == "1pc":
         credit(b, ns, gtrid, None, 0)
         return ["b"]
+    if kind == "rob":  # b only reads: a ledger row in a, a ledger entry in c
+        move(tx.join(tm.resource("a")), gtrid, None, 0)
+        b.get(balance_key(ns, args.account))
+        tx.join(tm.resource("c")).set(ledger_key(ns, gtrid), "1")
+        return ["a", "c"]
     move(tx.join(tm.resource("a")), gtrid, args.account, -1)
     credit(b, ns, gtrid, args.account, 1)
     if not args.ledger:
@@ -227,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", default="rcm")
     parser.add_argument("--ledger", action="store_true", help="a third branch, c, on Redis")
     parser.add_argument("--blind", action="store_true", help="b buffers blind writes")
+    parser.add_argument("--last", choices=("a",), default=None, help="a is a last resource")
     parser.add_argument("--lock-wait", type=float, default=2.0)
     parser.add_argument("--log", default="", help="file:DIR or sql:URL")
     parser.add_argument("--node", default=NODE_ID)

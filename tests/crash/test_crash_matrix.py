@@ -55,6 +55,7 @@ class Scenario:
     """Crash at ``point`` (``name[:nth]``) while running ``plan``; expect ``expect`` after recovery.
 
     ``first``: a crash point for the run before ``point`` (then ``point`` is armed in recovery).
+    ``last``: the resource that is the logging last resource (``c``), or None for none.
     """
 
     point: str
@@ -63,6 +64,7 @@ class Scenario:
     first: str | None = None
     segment_bytes: int | None = None
     label: str = ""
+    last: str | None = None
 
     @property
     def name(self) -> str:
@@ -72,6 +74,31 @@ class Scenario:
     def id(self) -> str:
         return f"{self.name}{f' ({self.label})' if self.label else ''}"
 
+
+def _llr(point: str, expect: str, plan: tuple[str, ...] = LEDGER, **kw: str) -> Scenario:
+    label = f"llr {kw.pop('label')}" if "label" in kw else "llr"
+    return Scenario(point, expect, plan, label=label, last="c", **kw)  # type: ignore[arg-type]
+
+
+#: c is the logging last resource: a and b prepare, c commits with the decision row (the commit
+#: point), then a and b commit; recovery reads c's row.
+LLR_SCENARIOS = [
+    _llr("tm.before_prepare:3", ROLLED_BACK),
+    _llr("tm.after_prepare.2:3", ROLLED_BACK),
+    _llr("tm.llr.before_commit:3", ROLLED_BACK),
+    _llr("fileres.c.after_apply:3", COMMITTED),  # c's data and decision row are on disk
+    _llr("tm.llr.after_commit:3", COMMITTED),
+    _llr("tm.after_commit.1:3", COMMITTED),
+    _llr("tm.after_commit.2:3", COMMITTED),
+    _llr("tm.before_end_record:3", COMMITTED),
+    _llr("tm.read_only.after_vote", ROLLED_BACK, ("2pc", "2pc", "rob")),  # before c commits
+    _llr("tm.after_rollback.1", ROLLED_BACK, ("2pc", "2pc", "veto")),  # c's commit refuses
+    _llr("tm.after_rollback.3", ROLLED_BACK, ("2pc", "2pc", "veto")),
+    _llr("recovery.llr.after_lookup", COMMITTED, first="tm.llr.after_commit:3", label="redo"),
+    _llr("recovery.llr.after_lookup", ROLLED_BACK, first="tm.llr.before_commit:3", label="abort"),
+    _llr("recovery.after_resolve.1", COMMITTED, first="tm.llr.after_commit:3", label="redo"),
+    _llr("recovery.after_resolve.2", ROLLED_BACK, first="tm.llr.before_commit:3", label="abort"),
+]
 
 SCENARIOS = [
     Scenario("tm.before_prepare:3", ROLLED_BACK),
@@ -109,6 +136,7 @@ SCENARIOS = [
     Scenario("recovery.after_resolve.2", ROLLED_BACK, first="tm.after_prepare.3:3", label="abort"),
     *(Scenario(f"fileres.{r}.after_stage:3", ROLLED_BACK) for r in RESOURCES),
     *(Scenario(f"fileres.{r}.after_apply:3", COMMITTED) for r in RESOURCES),
+    *LLR_SCENARIOS,
 ]
 
 
@@ -237,6 +265,12 @@ def exactly_once(states: dict[str, DurableState], t: Transcript) -> list[str]:
     ]
 
 
+def decision_rows_cleaned(last: DurableState) -> list[str]:
+    """A last resource keeps no commit row once recovery saw every branch of it ended."""
+    rows = sorted(g for g, row in last.decisions.items() if row["o"] == "c")
+    return [f"decision_rows_cleaned: commit rows left for {rows}"] if rows else []
+
+
 def pending_decisions(log_dir: Path) -> list[str]:
     log = FileDecisionLog(log_dir)
     try:
@@ -252,6 +286,9 @@ def pending_decisions(log_dir: Path) -> list[str]:
 def test_crash_point(scenario: Scenario, tmp_path: Path, crash_matrix: Any) -> None:
     run_args = ["run", str(tmp_path), "--plan", ",".join(scenario.plan)]
     recover_args = ["recover", str(tmp_path)]
+    if scenario.last:
+        run_args += ["--last", scenario.last]
+        recover_args += ["--last", scenario.last]
     if scenario.segment_bytes:
         run_args += ["--segment-bytes", str(scenario.segment_bytes)]
         recover_args += ["--segment-bytes", str(scenario.segment_bytes)]
@@ -272,6 +309,8 @@ def test_crash_point(scenario: Scenario, tmp_path: Path, crash_matrix: Any) -> N
     problems += no_in_doubt_residue(states, pending_decisions(tmp_path / "log"))
     problems += durable_ack(states, transcript)
     problems += exactly_once(states, transcript)
+    if scenario.last:
+        problems += decision_rows_cleaned(states[scenario.last])
 
     crash_matrix.add(
         point=scenario.id,
@@ -342,3 +381,5 @@ def test_the_checkers_catch_what_they_name() -> None:
     problems = exactly_once(states, t)
     assert f"exactly_once: {g1} is committed but audited None" in problems  # c's audit line
     assert "exactly_once: a holds -2, -1 committed transactions say otherwise" in problems
+    last = DurableState(decisions={g1: {"o": "c", "b": ["a"]}, g2: {"o": "a", "b": []}})
+    assert decision_rows_cleaned(last) == [f"decision_rows_cleaned: commit rows left for {[g1]}"]

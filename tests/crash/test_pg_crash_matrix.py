@@ -355,6 +355,17 @@ def stayed_rolled_back(states: dict[str, PgState], t: Transcript) -> list[str]:
     ]
 
 
+def decision_rows_left(url: str, node: str) -> list[str]:
+    """A last resource keeps no commit row once recovery saw every branch of it ended."""
+    rows = query(
+        url,
+        "SELECT gtrid FROM twopc_decision_row WHERE node_id = %s AND outcome = 'c'",
+        (node,),
+    )
+    found = sorted(str(g) for (g,) in rows)
+    return [f"decision_rows_cleaned: commit rows left for {found}"] if found else []
+
+
 def invariants(
     states: dict[str, PgState],
     t: Transcript,
@@ -404,6 +415,21 @@ PG_SCENARIOS = [
     *(s for s in SCENARIOS if declared_by(COORDINATOR_POINTS, s)),
     # PostgreSQL prepared the branch; the coordinator never heard the vote.
     *(Scenario(f"postgres.{r}.after_prepare:3", ROLLED_BACK) for r in DATABASES),
+    # c is the last resource: recovery killed as it is about to read (and fence) c's table
+    Scenario(
+        "postgres.c.before_decision_lookup",
+        COMMITTED,
+        first="tm.llr.after_commit:3",
+        label="llr redo",
+        last="c",
+    ),
+    Scenario(
+        "postgres.c.before_decision_lookup",
+        ROLLED_BACK,
+        first="tm.llr.before_commit:3",
+        label="llr abort",
+        last="c",
+    ),
 ]
 
 
@@ -469,7 +495,8 @@ def test_pg_crash_point(
     node, account = shared.scenario()
     opening = shared.dbs.open_accounts(("a", "b"), [account])
     segment = ["--segment-bytes", str(scenario.segment_bytes)] if scenario.segment_bytes else []
-    common = [*shared.dbs.args(), "--node", node, *segment]
+    last = ["--last", scenario.last] if scenario.last else []
+    common = [*shared.dbs.args(), "--node", node, *segment, *last]
 
     plan = ["--plan", ",".join(scenario.plan), "--account", str(account)]
     first = forks.run(
@@ -485,6 +512,8 @@ def test_pg_crash_point(
     ended, problems = invariants(
         states, transcript, scenario.expect, opening, log.pending(report, node)
     )
+    if scenario.last:
+        problems += decision_rows_left(shared.dbs.urls[scenario.last], node)
     crash_matrix.add(
         point=f"pg/{log_kind} {scenario.id}",
         expected=scenario.expect,
@@ -594,6 +623,53 @@ def test_postmaster_kill9_keeps_prepared_branches(
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize(
+    ("point", "expect"),
+    [("tm.llr.before_commit", ROLLED_BACK), ("tm.llr.after_commit", COMMITTED)],
+)
+def test_a_down_last_resource_stops_presumed_abort(
+    point: str,
+    expect: str,
+    *,
+    tmp_path: Path,
+    private_pg: Callable[..., Any],
+    forks: ForkServer,
+) -> None:
+    """b, on a cluster of its own, is the last resource. The coordinator is killed before or
+    after b's commit, then b's postmaster is killed too. While b is down, recovery must presume
+    nothing about a's prepared branch (its decision may be b's row): it fails and retries. Once
+    b's server is back from its crash recovery, the row (or its absence) decides."""
+    servers = {name: private_pg() for name in ("a", "b")}
+    urls = iter([str(s.url(s.create_database())) for s in servers.values()])
+    dbs = Databases.create(lambda: next(urls), ("a", "b"))
+    opening = dbs.open_accounts(("a", "b"), [1])
+    log = make_log("file", tmp_path, lambda: "")
+    common = [*dbs.args(), "--node", "llrdown", "--last", "b"]
+
+    first = forks.run(["run", *common, *log.args(run=True), "--plan", "2pc,2pc"], f"{point}:2")
+    killed_at(first, point)
+    transcript = Transcript.parse(first.stdout)
+    gtrid = transcript.interrupted
+    assert [p.gtrid for p in prepared_in(dbs.urls["a"])] == [gtrid]
+
+    servers["b"].kill9()
+    down = forks.run(["recover", *common, *log.args()], None)
+    assert down.returncode == 0, down.stderr
+    report = json.loads(down.stdout.split("RECOVERED ", 1)[1])
+    assert report["failures"] and not report["rolled_back"] and not report["committed"], report
+    assert [p.gtrid for p in prepared_in(dbs.urls["a"])] == [gtrid]  # nothing presumed
+
+    servers["b"].restart()
+    report = recovered(forks, [*common, *log.args()])
+    assert (report["committed"] == [gtrid]) == (expect == COMMITTED), report
+    ended, problems = invariants(
+        dbs.read(), transcript, expect, opening, log.pending(report, "llrdown")
+    )
+    assert ended == expect
+    problems += decision_rows_left(dbs.urls["b"], "llrdown")
+    assert not problems, "\n".join(problems)
+
+
 def test_live_coordinator_after_postmaster_restart(
     tmp_path: Path, private_pg: Callable[..., Any], managers: list[TransactionManager]
 ) -> None:
@@ -669,16 +745,23 @@ def wait_stopped(pid: int, timeout: float = 30) -> None:
 
 PAUSES = [
     # every branch prepared, no decision: the new owner presumes abort, the old one is fenced
-    pytest.param("tm.before_decision_write", ROLLED_BACK, id="before-decision"),
+    pytest.param("tm.before_decision_write", ROLLED_BACK, None, id="before-decision"),
     # the decision written: the new owner commits it, the old one's commits are repeats
-    pytest.param("tm.after_decision_fsync", COMMITTED, id="after-decision"),
+    pytest.param("tm.after_decision_fsync", COMMITTED, None, id="after-decision"),
+    # b is the last resource: the new owner's lookup leaves an abort row, so A, let run again,
+    # can no longer commit b (its lease, and failing that the row's key, refuse it)
+    pytest.param("tm.llr.before_commit", ROLLED_BACK, "b", id="llr-before-commit"),
+    # b committed with its decision row: the new owner reads it and commits a
+    pytest.param("tm.llr.after_commit", COMMITTED, "b", id="llr-after-commit"),
 ]
 
 
-@pytest.mark.parametrize(("point", "expect"), PAUSES)
+@pytest.mark.parametrize(("point", "expect", "last"), PAUSES)
 def test_paused_coordinator_and_takeover(
     point: str,
     expect: str,
+    last: str | None,
+    *,
     tmp_path: Path,
     private_pg: Callable[..., Any],
     forks: ForkServer,
@@ -696,7 +779,7 @@ def test_paused_coordinator_and_takeover(
     dbs = Databases.create(make, ("a", "b"))
     opening = dbs.open_accounts(("a", "b"), [1])
     log = Log("sql", make())
-    common = [*dbs.args(), "--node", "A"]
+    common = [*dbs.args(), "--node", "A", *(["--last", last] if last else [])]
     command = ["run", *common, *log.args(run=True), "--plan", "2pc", "--stop-at", point]
     stderr = tmp_path / "a.err"
     child = subprocess.Popen(
@@ -713,7 +796,8 @@ def test_paused_coordinator_and_takeover(
         lines.until("STOPPED")
         wait_stopped(child.pid)  # the worker SIGSTOPs itself right after saying so
         prepared = {name: prepared_in(url) for name, url in dbs.urls.items()}
-        assert [[p.gtrid for p in found] for found in prepared.values()] == [[gtrid], [gtrid]]
+        two_phase = [[] if name == last else [gtrid] for name in dbs.urls]  # a last never prepares
+        assert [[p.gtrid for p in found] for found in prepared.values()] == two_phase
 
         takeover = recovered(forks, [*common, *log.args()])  # waits out A's lease
         assert takeover["epoch"] == 2, takeover  # A held epoch 1

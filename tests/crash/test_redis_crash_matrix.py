@@ -2,7 +2,8 @@
 crash point, recover in a fresh process, check invariants.
 
 The scenarios are the file matrix's (`tests/crash/test_crash_matrix.py`) whose points are
-declared in ``coordinator/``, plus the PostgreSQL resource's point and every point of the Redis
+declared in ``coordinator/`` (its last-resource ones with the PostgreSQL branch ``a`` as the last
+resource), plus the PostgreSQL resource's point and every point of the Redis
 resource (``after_stage``, ``after_prepare_marker``, ``after_apply``, the last also on the
 one-phase path), all with the file decision log. ``redis_worker.py run`` moves one unit from an
 account in PostgreSQL (``a``) to the same account in Redis (``b``: ``INCRBY`` and a transfer
@@ -81,6 +82,7 @@ from tests.crash.test_pg_crash_matrix import (
     ForkServer,
     PgState,
     Prepared,
+    decision_rows_left,
     declared_by,
     invariants,
     names,
@@ -282,6 +284,18 @@ REDIS_SCENARIOS = [
     ),
     # Redis alone: the one-phase script applied the write set, the caller was never told.
     Scenario("redis.b.after_apply:3", COMMITTED, ("2pc", "2pc", "1pc"), label="one-phase"),
+    # a is the last resource: recovery killed as it is about to read (and fence) a's table
+    *(
+        Scenario(
+            "postgres.a.before_decision_lookup", expect, first=first, label=f"llr {how}", last="a"
+        )
+        for first, expect, how in (
+            ("tm.llr.after_commit:3", COMMITTED, "redo"),
+            ("tm.llr.before_commit:3", ROLLED_BACK, "abort"),
+        )
+    ),
+    # Redis applied its commit after a's commit with the decision row; never heard
+    Scenario("redis.c.after_apply:3", COMMITTED, label="llr", last="a"),
 ]
 
 
@@ -336,7 +350,8 @@ def test_redis_crash_point(
     setup, account = shared.scenario(tmp_path / "log")
     setup.open_account(account)
     segment = ["--segment-bytes", str(scenario.segment_bytes)] if scenario.segment_bytes else []
-    common = [*setup.args(), *segment]
+    last = ["--last", "a"] if scenario.last else []  # the PostgreSQL branch; b and c prepare
+    common = [*setup.args(), *segment, *last]
 
     plan = ["--plan", ",".join(scenario.plan), "--account", str(account)]
     first = forks.run(["run", *common, *plan], scenario.first or scenario.point)
@@ -346,6 +361,8 @@ def test_redis_crash_point(
     report = recovered(forks, common)
 
     ended, problems = check(setup, account, first.stdout, scenario.expect, report)
+    if scenario.last:
+        problems += decision_rows_left(setup.pg, setup.node)
     crash_matrix.add(
         point=f"pg+redis {scenario.id}",
         expected=scenario.expect,

@@ -2,6 +2,7 @@
 
     python tests/crash/worker.py run DIR --plan 2pc,2pc,veto [--segment-bytes N]
     python tests/crash/worker.py recover DIR
+    ... [--last c]    resource c is a logging last resource (its commit carries the decision)
 
 ``run`` executes one transaction per plan entry over three `FileResource`s (a, b, c) and a
 `FileDecisionLog`, all under DIR, and prints (flushed, so a SIGKILL loses nothing printed)::
@@ -15,7 +16,8 @@
 and prints ``RECOVERED <json>`` (what it resolved, and how long it took).
 
 Kinds: ``2pc`` moves one unit a -> b and counts it on c; ``veto`` does the same but c votes no;
-``1pc`` writes to a alone (one-phase commit); ``ro`` moves a -> b while c only reads (read-only).
+``1pc`` writes to a alone (one-phase commit); ``ro`` moves a -> b while c only reads (read-only);
+``rob`` takes one from a and counts it on c while b only reads.
 The crash itself comes from ``TWOPC_CRASH_AT`` in the environment (`coordinator.crashpoints`).
 """
 
@@ -35,13 +37,13 @@ from tests.support.file_resource import FileResource
 
 NODE_ID = "crash-node"
 RESOURCES = ("a", "b", "c")
-KINDS = ("2pc", "veto", "1pc", "ro")
+KINDS = ("2pc", "veto", "1pc", "ro", "rob")
 
 
 def open_manager(
-    root: Path, segment_bytes: int | None, *, recover_on_start: bool
+    root: Path, segment_bytes: int | None, *, recover_on_start: bool, last: str | None = None
 ) -> TransactionManager:
-    resources = [FileResource(name, root / name) for name in RESOURCES]
+    resources = [FileResource(name, root / name, last_resource=name == last) for name in RESOURCES]
     if segment_bytes is None:
         log = FileDecisionLog(root / "log")
     else:
@@ -67,6 +69,11 @@ def work(tm: TransactionManager, tx: Transaction, kind: str) -> list[str]:
         a.set("note", tx.gtrid)
         return ["a"]
     b, c = tx.join(tm.resource("b")), tx.join(tm.resource("c"))
+    if kind == "rob":
+        a.add("balance", -1)
+        b.get("balance")
+        c.add("count", 1)
+        return ["a", "c"]
     a.add("balance", -1)
     b.add("balance", 1)
     if kind == "ro":
@@ -78,8 +85,8 @@ def work(tm: TransactionManager, tx: Transaction, kind: str) -> list[str]:
     return ["a", "b", "c"]
 
 
-def run(root: Path, plan: list[str], segment_bytes: int | None) -> int:
-    tm = open_manager(root, segment_bytes, recover_on_start=True)
+def run(root: Path, plan: list[str], segment_bytes: int | None, last: str | None) -> int:
+    tm = open_manager(root, segment_bytes, recover_on_start=True, last=last)
     for kind in plan:
         tx = tm.begin()
         wrote = work(tm, tx, kind)
@@ -95,8 +102,8 @@ def run(root: Path, plan: list[str], segment_bytes: int | None) -> int:
     return 0
 
 
-def recover(root: Path, segment_bytes: int | None) -> int:
-    tm = open_manager(root, segment_bytes, recover_on_start=False)
+def recover(root: Path, segment_bytes: int | None, last: str | None) -> int:
+    tm = open_manager(root, segment_bytes, recover_on_start=False, last=last)
     started = time.perf_counter()
     report = tm.recover(force=True)
     elapsed_ms = (time.perf_counter() - started) * 1000
@@ -120,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--plan", default="2pc,2pc,2pc")
     parser.add_argument("--segment-bytes", type=int, default=None)
+    parser.add_argument("--last", choices=RESOURCES, default=None)
     args = parser.parse_args(argv)
     if args.mode == "recover":
-        return recover(args.dir, args.segment_bytes)
+        return recover(args.dir, args.segment_bytes, args.last)
     plan = args.plan.split(",")
     unknown = set(plan) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)}; expected some of {KINDS}")
-    return run(args.dir, plan, args.segment_bytes)
+    return run(args.dir, plan, args.segment_bytes, args.last)
 
 
 if __name__ == "__main__":

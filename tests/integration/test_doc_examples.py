@@ -1,4 +1,4 @@
-"""The examples of docs/messaging.md run as written.
+"""The examples of docs/messaging.md and README.md run as written.
 
 A block is an example when the line right before its ```` ```python ```` fence is
 ``<!-- example: NAME -->``. Each runs as a script of its own in a fresh interpreter (cwd a
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(90)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "messaging.md"
+README = REPO / "README.md"
 PG_ENV = "TWOPC_EXAMPLE_PG_URL"
 TIMEOUT = 60.0
 
@@ -59,13 +60,14 @@ def examples(text: str) -> list[Example]:
     return found
 
 
-EXAMPLES = examples(DOC.read_text(encoding="utf-8"))
+EXAMPLES = examples(DOC.read_text(encoding="utf-8")) + examples(README.read_text(encoding="utf-8"))
 
 
 def test_every_documented_mechanism_has_a_runnable_example() -> None:
     names = [e.name for e in EXAMPLES]
     assert len(names) == len(set(names)), f"duplicate example names: {names}"
-    marks = re.findall(r"^<!-- example:.*$", DOC.read_text(encoding="utf-8"), re.M)
+    texts = (DOC.read_text(encoding="utf-8"), README.read_text(encoding="utf-8"))
+    marks = [m for t in texts for m in re.findall(r"^<!-- example:.*$", t, re.M)]
     assert len(marks) == len(EXAMPLES), f"a marker not right before a ```python fence: {marks}"
     covered = {e.section for e in EXAMPLES}
     missing = [s for s in SECTIONS_WITH_EXAMPLES if s not in covered]

@@ -20,6 +20,14 @@ crash of the coordinator or of recovery between any two steps (``crashes``); whe
 still in the write buffer survives a crash; and a background recovery pass, under the in-flight
 guard, between any two steps of a live transaction.
 
+With ``last=True`` the last participant is a logging last resource (`coordinator.last_resource`):
+it never prepares; once the others voted commit it commits in one phase with the decision row in
+its own table (``Log.row``), which is the commit point, or refuses (certainly not committed), or
+loses its answer either way; alone (the others read-only) it commits in plain one phase. Recovery
+looks the row up once per pass before it presumes anything, and the lookup fences: a gtrid with
+no row gets an abort row, after which the last resource's commit can only fail. The lookup may
+find the table unreachable, and then the pass presumes nothing.
+
 A crash is modelled as the resources see it: unprepared work dies with its session (an active
 branch becomes rolled back), prepared branches and the durable log survive, the coordinator's
 memory (votes, results) is gone, and the caller hears nothing more.
@@ -71,11 +79,21 @@ class End(enum.Enum):
     DURABLE = "durable"
 
 
+class Row(enum.Enum):
+    """The last resource's decision-table row for the transaction (durable, in its database)."""
+
+    NONE = "none"
+    COMMIT = "commit"  # inserted and committed together with the last resource's data
+    ABORT = "abort"  # recovery's fence
+
+
 class Log(NamedTuple):
-    """The decision log of the one transaction explored: its COMMIT record and its END."""
+    """The decision log of the one transaction explored: its COMMIT record and its END; and the
+    last resource's row, where a transaction with a last resource keeps its decision."""
 
     commit: tuple[str, ...] | None = None
     end: End = End.NONE
+    row: Row = Row.NONE
 
     @property
     def pending(self) -> bool:
@@ -98,11 +116,21 @@ class Step(enum.Enum):
     REC_COMMIT = "recovery-commit"  # step 1 over the COMMIT record's branches
     REC_END = "recovery-end"
     REC_ABORT = "recovery-abort"  # step 2: presumed abort
+    LAST_COMMIT = "last-commit"  # the last resource commits with the decision row (``names``)
     QUIESCENT = "quiescent"  # a recovery pass finished with no failure
 
 
 COORDINATOR_STEPS = frozenset(
-    {Step.START, Step.PREPARE, Step.ABORT, Step.WRITE_DECISION, Step.COMMIT, Step.END, Step.REPLY}
+    {
+        Step.START,
+        Step.PREPARE,
+        Step.ABORT,
+        Step.WRITE_DECISION,
+        Step.LAST_COMMIT,
+        Step.COMMIT,
+        Step.END,
+        Step.REPLY,
+    }
 )
 RECOVERY_STEPS = frozenset({Step.REC_START, Step.REC_COMMIT, Step.REC_END, Step.REC_ABORT})
 #: steps at which the transaction is in the live manager's in-flight table, so a periodic recovery
@@ -118,6 +146,10 @@ class Pc(NamedTuple):
     results: tuple[BranchResult, ...] = ()
     outcome: Outcome | None = None
     failed: bool = False  # this recovery pass left something to retry
+    #: the last resource's answer is unknown: its table, not a restart, settles it (REPLY)
+    settles: bool = False
+    #: recovery's table lookup this pass: None not yet, False unreachable, True answered
+    known: bool | None = None
 
 
 class State(NamedTuple):
@@ -136,6 +168,7 @@ class State(NamedTuple):
 _SITES = {
     Step.START: "before commit begins",
     Step.WRITE_DECISION: "before the decision write",
+    Step.LAST_COMMIT: "before the last resource commits",
     Step.END: "before END",
     Step.REPLY: "before the caller is answered",
     Step.STALLED: "restart after an unknown log write",
@@ -145,7 +178,14 @@ _SITES = {
 
 
 class RecoveryRule(Protocol):
-    def __call__(self, *, ours: bool, has_decision: bool, maybe_in_flight: bool) -> Action: ...
+    def __call__(
+        self,
+        *,
+        ours: bool,
+        has_decision: bool,
+        maybe_in_flight: bool,
+        decision_known: bool = True,
+    ) -> Action: ...
 
 
 @dataclass(frozen=True)
@@ -170,7 +210,8 @@ class Report:
     #: (crashes in all, of which in recovery) seen in quiescent states
     crash_profiles: set[tuple[int, int]] = field(default_factory=set)
     told_at_end: set[Told] = field(default_factory=set)
-    outcomes_at_end: set[tuple[bool, Told]] = field(default_factory=set)  # (COMMIT logged, told)
+    #: (COMMIT logged or a last resource's commit row, told)
+    outcomes_at_end: set[tuple[bool, Told]] = field(default_factory=set)
 
 
 class _Reply(NamedTuple):
@@ -238,10 +279,19 @@ class Explorer:
     """Breadth-first search over every state reachable under ``rules``, checking invariants."""
 
     def __init__(
-        self, rules: Rules | None = None, *, n: int = 3, crashes: int = 4, outages: int = 3
+        self,
+        rules: Rules | None = None,
+        *,
+        n: int = 3,
+        crashes: int = 4,
+        outages: int = 3,
+        last: bool = False,
     ) -> None:
         self.rules = rules or Rules()
         self.names = tuple("abcdefgh"[:n])  # sort order: prepare, commit and recovery order
+        #: the logging last resource (the last name) when ``last``; the others prepare
+        self.last = self.names[-1] if last else None
+        self.preparers = self.names[:-1] if last else self.names
         self.position = {name: i for i, name in enumerate(self.names)}
         self.crashes = crashes
         self.outages = outages
@@ -258,6 +308,7 @@ class Explorer:
             Step.REC_COMMIT: self._rec_commit,
             Step.REC_END: self._rec_end,
             Step.REC_ABORT: self._rec_abort,
+            Step.LAST_COMMIT: self._last_commit,
             Step.QUIESCENT: lambda s: [],
         }
 
@@ -300,11 +351,13 @@ class Explorer:
         """Name the step boundary ``pc`` stands at, in the words of the driver's crash points."""
         step, i = pc.step, pc.at
         if step in (Step.PREPARE, Step.ABORT, Step.COMMIT, Step.REC_COMMIT):
-            names = self.names if step is Step.PREPARE else pc.names
+            names = self.preparers if step is Step.PREPARE else pc.names
             verb = {Step.PREPARE: "prepare", Step.ABORT: "rollback"}.get(step, "commit")
             where = "in recovery " if step is Step.REC_COMMIT else ""
             return f"{where}before {verb} {names[i]}"
         if step is Step.REC_ABORT:
+            if self.last and pc.known is None and not i:
+                return "in recovery before the table lookup"
             done = f"after presumed abort of {self.names[i - 1]}" if i else "before presumed abort"
             return f"in recovery {done}"
         return _SITES[step]
@@ -323,8 +376,9 @@ class Explorer:
         used = self.crashes - state.crashes_left
         report.crash_profiles.add((used, state.recovery_crashes))
         report.told_at_end.add(state.told)
-        report.outcomes_at_end.add((state.log.commit is not None, state.told))
-        if not decision_stable(state):
+        decided = state.log.commit is not None or state.log.row is Row.COMMIT
+        report.outcomes_at_end.add((decided, state.told))
+        if not decision_stable(state, self.last is not None):
             broken.append("decision_stable")
         if not no_in_doubt_residue(state):
             broken.append("no_in_doubt_residue")
@@ -392,18 +446,21 @@ class Explorer:
         found: Successors = []
         for label, vote, part in _PREPARE_ANSWERS:
             votes = (*state.votes, vote)
-            last = vote in (None, Vote.ROLLBACK) or i + 1 == len(self.names)
+            last = vote in (None, Vote.ROLLBACK) or i + 1 == len(self.preparers)
             pc = self._tally(votes) if last else Pc(Step.PREPARE, i + 1)
             nxt = state._replace(parts=_set(state.parts, i, part), votes=votes, pc=pc)
-            found.append((f"prepare {self.names[i]}: {label}", nxt))
+            found.append((f"prepare {self.preparers[i]}: {label}", nxt))
         return found
 
     def _tally(self, votes: tuple[Vote | None, ...]) -> Pc:
         # A branch never asked (an earlier one said no) is missing from the map, as in the driver.
-        asked = dict(zip(self.names, votes, strict=False))
-        result = self.rules.tally(self.names, asked)
+        asked = dict(zip(self.preparers, votes, strict=False))
+        result = self.rules.tally(self.preparers, asked)
+        tail = (self.last,) if self.last else ()
         if result.verdict is Verdict.ABORT:
-            return Pc(Step.ABORT, names=result.rollback)
+            return Pc(Step.ABORT, names=result.rollback + tail)
+        if self.last:  # the last resource commits, with the row unless it is alone
+            return Pc(Step.LAST_COMMIT, names=result.commit)
         if result.verdict is Verdict.READ_ONLY:
             return Pc(Step.REPLY, outcome=Outcome.READ_ONLY)
         return Pc(Step.WRITE_DECISION, names=result.commit)
@@ -454,7 +511,50 @@ class Explorer:
             return Pc(Step.REPLY, outcome=outcome)  # no END: recovery must re-drive it
         return Pc(Step.END, outcome=outcome)
 
+    def _last_commit(self, state: State) -> Successors:
+        """The last resource's one-phase commit: with the row (the commit point), or alone."""
+        names, i = state.pc.names, self.position[str(self.last)]
+        alone = not names  # every other branch read-only: plain one phase, no row
+        log = state.log if alone else state.log._replace(row=Row.COMMIT)
+        fenced = state.log.row is Row.ABORT  # the row's key refuses the commit
+        done = Pc(Step.REPLY, outcome=Outcome.COMMITTED) if alone else Pc(Step.COMMIT, names=names)
+        committed = state._replace(parts=_set(state.parts, i, Part.COMMITTED), log=log)
+        refused = state._replace(parts=_set(state.parts, i, Part.ROLLED_BACK))
+        found: Successors = []
+        if not fenced:
+            found.append(("last resource commits", committed._replace(pc=done)))
+        found.append(
+            (
+                "last resource refuses",
+                refused._replace(pc=Pc(Step.ABORT, names=(*names, str(self.last)))),
+            )
+        )
+        if state.outages_left:
+            lost = Pc(Step.REPLY, outcome=None, settles=True)
+            less = state.outages_left - 1
+            if not fenced:
+                found.append(
+                    (
+                        "last resource commits, answer lost",
+                        committed._replace(pc=lost, outages_left=less),
+                    )
+                )
+            found.append(
+                (
+                    "last resource lost before committing",
+                    refused._replace(pc=lost, outages_left=less),
+                )
+            )
+        return found
+
     def _end(self, state: State) -> Successors:
+        if self.last:  # no decision-log END: the row goes lazily, which changes no outcome
+            return [
+                (
+                    "row queued for cleanup",
+                    state._replace(pc=Pc(Step.REPLY, outcome=state.pc.outcome)),
+                )
+            ]
         log = state.log._replace(end=End.BUFFERED)
         return [
             ("append END", state._replace(log=log, pc=Pc(Step.REPLY, outcome=state.pc.outcome)))
@@ -463,7 +563,8 @@ class Explorer:
     def _reply(self, state: State) -> Successors:
         told = told_of(state.pc.outcome)
         # OutcomeUnknownError also stops the live manager deciding: only a restart moves it on.
-        pc = Pc(Step.STALLED) if told is Told.UNKNOWN else Pc(Step.REC_START)
+        stall = told is Told.UNKNOWN and not state.pc.settles
+        pc = Pc(Step.STALLED) if stall else Pc(Step.REC_START)
         nxt = state._replace(parts=_sessions_closed(state.parts), told=told, pc=pc)
         return [(f"caller told {told.value}", nxt)]
 
@@ -505,13 +606,20 @@ class Explorer:
             if part is not Part.PREPARED:
                 continue
             action = self.rules.recovery_action(
-                ours=True, has_decision=state.log.pending, maybe_in_flight=True
+                ours=True, has_decision=self._decided(state.log), maybe_in_flight=True
             )
             if action is Action.ROLLBACK:
                 parts = _set(parts, i, _rollback_call(part)[0])
-        return (
-            [] if parts == state.parts else [("background recovery", state._replace(parts=parts))]
-        )
+        if parts == state.parts:
+            return []
+        log = state.log
+        if self.last and log.row is Row.NONE:  # a pass that presumes abort fences first
+            log = log._replace(row=Row.ABORT)
+        return [("background recovery", state._replace(parts=parts, log=log))]
+
+    def _decided(self, log: Log) -> bool:
+        """Has the transaction a decision where recovery looks: the log, or the row."""
+        return log.pending or log.row is Row.COMMIT
 
     # -- recovery (recovery.py) ----------------------------------------------------------------
 
@@ -546,8 +654,33 @@ class Explorer:
         log = state.log._replace(end=End.BUFFERED)
         return [("recovery appends END", state._replace(log=log, pc=Pc(Step.REC_ABORT)))]
 
+    def _rec_lookup(self, state: State) -> Successors:
+        """Ask the last resource's table (once per pass); the question fences a gtrid without a
+        row. Unreachable, the pass knows nothing and presumes nothing."""
+        row = Row.ABORT if state.log.row is Row.NONE else state.log.row
+        fenced = state._replace(log=state.log._replace(row=row))
+        found = [("recovery reads the row", fenced._replace(pc=state.pc._replace(known=True)))]
+        if state.outages_left:
+            less, unknown = state.outages_left - 1, state.pc._replace(known=False)
+            found.append(
+                ("recovery: table unreachable", state._replace(pc=unknown, outages_left=less))
+            )
+            found.append(
+                ("recovery: fenced, answer lost", fenced._replace(pc=unknown, outages_left=less))
+            )
+        return found
+
     def _rec_abort(self, state: State) -> Successors:
         pc = state.pc
+        if (
+            self.last
+            and pc.known is None
+            and Part.PREPARED in state.parts
+            and not state.log.pending
+        ):
+            return self._rec_lookup(state)
+        if self.last:
+            return self._rec_abort_last(state)
         for i in range(pc.at, len(self.names)):
             if state.parts[i] is not Part.PREPARED:
                 continue  # resource.recover() lists prepared branches only
@@ -565,9 +698,47 @@ class Explorer:
                 )
                 for r in self._calls(state, i, _rollback_call)
             ]
-        if pc.failed:
+        return self._rec_done(state, pc.failed)
+
+    def _rec_done(self, state: State, failed: bool) -> Successors:
+        if failed:
             return [("recovery pass failed: retry", state._replace(pc=Pc(Step.REC_START)))]
         return [("recovery pass clean", state._replace(pc=Pc(Step.QUIESCENT)))]
+
+    def _rec_abort_last(self, state: State) -> Successors:
+        """Step 2 with a last resource: commit from the row, roll back without one, or (the
+        table unanswered) defer."""
+        pc, failed = state.pc, state.pc.failed
+        for i in range(pc.at, len(self.names)):
+            if state.parts[i] is not Part.PREPARED:
+                continue
+            seen = state.log.row is Row.COMMIT and pc.known is True  # unread: not seen
+            action = self.rules.recovery_action(
+                ours=True,
+                has_decision=state.log.pending or seen,
+                maybe_in_flight=False,
+                decision_known=pc.known is not False,
+            )
+            if action is Action.LEAVE_ALONE:
+                failed = True  # deferred: retried next pass
+                continue
+            if action is Action.COMMIT and state.log.pending:
+                continue  # a logged decision is step 1's business
+            verb, call = (
+                ("commits", _commit_call)
+                if action is Action.COMMIT
+                else ("rolls back", _rollback_call)
+            )
+            return [
+                (
+                    f"recovery {verb} {self.names[i]}: {r.label}",
+                    self._after_call(
+                        state, i, r, pc._replace(at=i + 1, failed=failed or not r.reached)
+                    ),
+                )
+                for r in self._calls(state, i, call)
+            ]
+        return self._rec_done(state, failed)
 
 
 # -- invariants ----------------------------------------------------------------------------------
@@ -578,10 +749,12 @@ def atomic(parts: tuple[Part, ...]) -> bool:
     return not (Part.COMMITTED in parts and Part.ROLLED_BACK in parts)
 
 
-def decision_stable(state: State) -> bool:
+def decision_stable(state: State, last: bool = False) -> bool:
     """Every branch ended as the log decided, and as the caller was told."""
     parts, committed = state.parts, Part.COMMITTED in state.parts
-    if state.log.commit is not None:
+    # a last resource's row is a decision; so is its commit alone (the others read-only)
+    decided = state.log.commit is not None or state.log.row is Row.COMMIT
+    if decided or (last and _alone_committed(state)):
         as_logged = all(p in (Part.COMMITTED, Part.READ_ONLY_DONE) for p in parts)
     else:
         as_logged = not committed
@@ -590,12 +763,18 @@ def decision_stable(state: State) -> bool:
             p is Part.COMMITTED
             for p, v in zip(parts, state.votes, strict=False)
             if v is Vote.COMMIT
-        )
+        ) and not (last and parts[-1] is not Part.COMMITTED)
     elif state.told is Told.ROLLED_BACK:
         as_told = not committed
     else:
         as_told = True
     return as_logged and as_told
+
+
+def _alone_committed(state: State) -> bool:
+    """A last resource committed alone: every other branch voted read-only, no row written."""
+    *others, last = state.parts
+    return last is Part.COMMITTED and all(p is Part.READ_ONLY_DONE for p in others)
 
 
 def no_in_doubt_residue(state: State) -> bool:

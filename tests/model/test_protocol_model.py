@@ -170,3 +170,72 @@ def test_real_rules_are_the_default() -> None:
         "outcome": protocol.outcome,
         "recovery_action": protocol.recovery_action,
     }
+
+
+# -- a logging last resource -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llr_report() -> Report:
+    return Explorer(crashes=CRASHES, outages=OUTAGES, last=True).explore()
+
+
+def test_llr_model_explores_every_crash_site(
+    llr_report: Report, record_property: Callable[[str, object], None]
+) -> None:
+    """a and b prepare, c is the last resource: its commit carries the decision row."""
+    print(f"llr model: {llr_report.states} states, {llr_report.terminal} terminal")
+    record_property("llr_model_states", llr_report.states)
+    expected_sites = {
+        *(f"before prepare {n}" for n in "ab"),
+        "before the last resource commits",
+        *(f"before commit {n}" for n in "ab"),  # "a": just after the last resource committed
+        "before the caller is answered",
+        *(f"before rollback {n}" for n in "abc"),
+        "in recovery before the table lookup",
+        "in recovery before presumed abort",  # the lookup answered, nothing acted on yet
+        *(f"in recovery after presumed abort of {n}" for n in "ab"),  # or commit from the row
+    }
+    assert expected_sites <= llr_report.crash_sites, sorted(expected_sites - llr_report.crash_sites)
+    # committed by the row with the caller told committed, nothing, or unknown (answer lost)
+    assert {(True, Told.COMMITTED), (True, Told.NOTHING), (True, Told.UNKNOWN)} <= (
+        llr_report.outcomes_at_end
+    )
+    assert {(False, Told.ROLLED_BACK), (False, Told.NOTHING), (False, Told.UNKNOWN)} <= (
+        llr_report.outcomes_at_end
+    )
+    assert llr_report.states > 5_000 and llr_report.terminal > 500
+
+
+@pytest.mark.parametrize("invariant", [*INVARIANTS, PROGRESS])
+def test_llr_invariant_holds_in_every_state(llr_report: Report, invariant: str) -> None:
+    found = llr_report.violations.get(invariant, [])
+    assert not found, f"{invariant} violated ({len(found)} shortest traces shown):\n" + (
+        "\n\n".join(found)
+    )
+
+
+def _llr_ignores_row(
+    *, ours: bool, has_decision: bool, maybe_in_flight: bool, decision_known: bool = True
+) -> Action:
+    """Presumes abort although the last resource's table holds the commit row."""
+    return protocol.recovery_action(
+        ours=ours, has_decision=False, maybe_in_flight=maybe_in_flight, decision_known=True
+    )
+
+
+def _llr_presumes_when_unknown(
+    *, ours: bool, has_decision: bool, maybe_in_flight: bool, decision_known: bool = True
+) -> Action:
+    """Presumes abort while the last resource's table could not be read."""
+    return protocol.recovery_action(
+        ours=ours, has_decision=has_decision, maybe_in_flight=maybe_in_flight
+    )
+
+
+@pytest.mark.parametrize("rule", [_llr_ignores_row, _llr_presumes_when_unknown])
+def test_llr_checker_catches_a_wrong_rule(rule: Callable[..., Action]) -> None:
+    found = Explorer(
+        Rules(recovery_action=rule), crashes=CRASHES, outages=OUTAGES, last=True
+    ).explore(stop_on="atomicity")
+    assert "atomicity" in found.violations, sorted(found.violations)

@@ -4,7 +4,8 @@ It keeps every promise of `coordinator.resource.Resource` the way a real one mus
 can kill a process anywhere and then read what survived::
 
     <directory>/
-      data.json            committed key/values, and the gids committed into them (the markers)
+      data.json            committed key/values, the gids committed into them (the markers),
+                           and, for a last resource, its decision rows (gtrid -> commit/abort)
       prepared/<gid>.json  one staged write set per prepared branch
       aborted/<gid>        one tombstone per rolled-back branch: fences a late prepare
       audit.log            one JSON line per branch that ended: gid, gtrid, bqual, outcome
@@ -19,6 +20,11 @@ would let a re-driven commit apply an ``add`` twice.
 The audit log is appended after the step it reports, so a crash can leave it one line short;
 opening the resource repairs it from data.json and the tombstones (and drops a torn last line),
 the way a database replays its own log at start-up before it answers a coordinator.
+
+``FileResource(..., last_resource=True)`` is a logging last resource
+(`coordinator.last_resource`): ``commit_with_decision`` writes the branch's data, its marker and
+the decision row in the one atomic replace of data.json, as PostgreSQL commits them in one
+transaction.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.crashpoints import crash_point
+from coordinator.decision_log import Decision
 from coordinator.errors import FencedError, IllegalStateError, InvalidXidError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid, validate_resource_name
@@ -130,6 +137,8 @@ class DurableState:
     aborted: set[Xid] = field(default_factory=set)
     prepared: set[Xid] = field(default_factory=set)
     audit: list[AuditEntry] = field(default_factory=list)
+    #: a last resource's decision rows: gtrid -> {"o": "c" (commit) or "a" (abort), "b": [...]}
+    decisions: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def outcome(self, gtrid: str) -> str:
         """COMMITTED, ROLLED_BACK, PREPARED or ABSENT: what this resource holds for ``gtrid``."""
@@ -163,22 +172,26 @@ class DurableState:
 
 def read_state(directory: str | os.PathLike[str]) -> DurableState:
     root = Path(directory)
-    data, committed = _read_data(root / _DATA)
+    data, committed, decisions = _read_data(root / _DATA)
     return DurableState(
         data=data,
         committed=committed,
         aborted=set(_xids_in(root / _ABORTED)),
         prepared=set(_xids_in(root / _PREPARED)),
         audit=list(_read_audit(root / _AUDIT)),
+        decisions=decisions,
     )
 
 
-def _read_data(path: Path) -> tuple[dict[str, Value], set[Xid]]:
+def _read_data(
+    path: Path,
+) -> tuple[dict[str, Value], set[Xid], dict[str, dict[str, object]]]:
     try:
         obj = json.loads(path.read_bytes())
     except FileNotFoundError:
-        return {}, set()
-    return dict(obj["data"]), {Xid.from_gid(gid) for gid in obj["committed"]}
+        return {}, set(), {}
+    committed = {Xid.from_gid(gid) for gid in obj["committed"]}
+    return dict(obj["data"]), committed, dict(obj.get("decisions", {}))
 
 
 def _xids_in(folder: Path) -> Iterator[Xid]:
@@ -264,8 +277,12 @@ class FileResource:
     crash cut short before answering anyone.
     """
 
-    def __init__(self, name: str, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, name: str, directory: str | os.PathLike[str], *, last_resource: bool = False
+    ) -> None:
         self._name = validate_resource_name(name)
+        self._last = last_resource
+        self._ended: set[str] = set()  # decision rows queued for deletion (end_decision)
         self.directory = Path(directory)
         self._lock = threading.RLock()
         self._branches: dict[Xid, LedgerBranch] = {}
@@ -281,6 +298,10 @@ class FileResource:
     def sort_key(self) -> str:
         return self._name
 
+    @property
+    def last_resource(self) -> bool:
+        return self._last
+
     def __repr__(self) -> str:
         return f"<FileResource {self._name} {self.directory}>"
 
@@ -293,6 +314,7 @@ class FileResource:
         self._drop_torn_audit_line()
         state = read_state(self.directory)
         self._data, self._committed, self._aborted = state.data, state.committed, state.aborted
+        self._decisions = state.decisions
         self._audited = {entry.gid for entry in state.audit}
         for xid in sorted(state.committed, key=Xid.to_gid):
             self._settle(xid, COMMITTED)
@@ -398,10 +420,54 @@ class FileResource:
     def forget(self, xid: Xid) -> None:
         with self._lock:
             if xid in self._committed:
-                self._write_data(self._data, self._committed - {xid})
+                self._write_data(self._data, self._committed - {xid}, self._decisions)
             if xid in self._aborted:
                 remove_durably(self._tombstone_path(xid))
                 self._aborted.discard(xid)
+
+    # -- the LastResource protocol ----------------------------------------------------------------
+
+    def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
+        with self._lock:
+            if self._decisions.get(decision.gtrid, {}).get("o") == "a":
+                self._branches.pop(xid, None)
+                raise FencedError(f"{decision.gtrid} was fenced by recovery on {self._name}")
+            self._refuse_if_ended(xid, "commit")
+            ops = self._one_phase_ops(xid)
+            decisions = {g: d for g, d in self._decisions.items() if g not in self._ended}
+            decisions[decision.gtrid] = {"o": "c", "b": list(decision.branches)}
+            self._write_data(apply_ops(self._data, ops), self._committed | {xid}, decisions)
+            self._ended.clear()
+            crash_point(f"fileres.{self._name}.after_apply")
+            self._settle(xid, COMMITTED)
+
+    def decisions_of(self, gtrids: Iterable[str]) -> set[str]:
+        with self._lock:
+            wanted = set(gtrids)
+            fenced = {g: {"o": "a", "b": []} for g in wanted if g not in self._decisions}
+            if fenced:
+                self._write_data(self._data, self._committed, {**self._decisions, **fenced})
+            return {g for g in wanted if self._decisions[g]["o"] == "c"}
+
+    def committed_decisions(self, node_id: str) -> dict[str, tuple[str, ...]]:
+        with self._lock:
+            return {
+                g: tuple(str(b) for b in d["b"])  # type: ignore[attr-defined]
+                for g, d in self._decisions.items()
+                if d["o"] == "c" and g.startswith(f"{node_id}:")
+            }
+
+    def end_decision(self, gtrid: str) -> None:
+        with self._lock:
+            self._ended.add(gtrid)
+
+    def drop_decisions(self, gtrids: Iterable[str]) -> None:
+        with self._lock:
+            gone = self._ended | set(gtrids)
+            kept = {g: d for g, d in self._decisions.items() if not (g in gone and d["o"] == "c")}
+            if kept != self._decisions:
+                self._write_data(self._data, self._committed, kept)
+            self._ended.clear()
 
     # -- what an operator (or a buggy peer) might do behind the coordinator's back --------------
 
@@ -438,11 +504,20 @@ class FileResource:
         return [(kind, key, value) for kind, key, value in payload["ops"]]
 
     def _apply(self, xid: Xid, ops: list[Op]) -> None:
-        self._write_data(apply_ops(self._data, ops), self._committed | {xid})
+        self._write_data(apply_ops(self._data, ops), self._committed | {xid}, self._decisions)
         crash_point(f"fileres.{self._name}.after_apply")
         self._settle(xid, COMMITTED)
 
-    def _write_data(self, data: dict[str, Value], committed: set[Xid]) -> None:
-        payload = {"data": data, "committed": sorted(x.to_gid() for x in committed)}
+    def _write_data(
+        self,
+        data: dict[str, Value],
+        committed: set[Xid],
+        decisions: dict[str, dict[str, object]],
+    ) -> None:
+        payload = {
+            "data": data,
+            "committed": sorted(x.to_gid() for x in committed),
+            "decisions": decisions,
+        }
         write_atomic(self.directory / _DATA, json.dumps(payload, sort_keys=True).encode("ascii"))
-        self._data, self._committed = data, committed
+        self._data, self._committed, self._decisions = data, committed, decisions

@@ -182,6 +182,14 @@ def test_recovery_never_commits_a_foreign_branch() -> None:
     assert action is Action.LEAVE_ALONE
 
 
+def test_recovery_presumes_nothing_while_a_last_resource_is_unanswered() -> None:
+    """No decision found proves nothing when a last resource's table could not be read: the
+    decision may be a row there. A decision found still commits."""
+    unknown = {"ours": True, "maybe_in_flight": False, "decision_known": False}
+    assert recovery_action(has_decision=False, **unknown) is Action.LEAVE_ALONE
+    assert recovery_action(has_decision=True, **unknown) is Action.COMMIT
+
+
 def test_recovery_action_takes_keywords_only() -> None:
     """Three booleans in a row are too easy to swap; the signature refuses positions."""
     with pytest.raises(TypeError):

@@ -14,6 +14,9 @@ restarted service. The schedule comes from one seed, printed, and ``TWOPC_BANK_S
 - ``durable_ack``: every transfer a client was told committed is in both databases;
   ``decision_stable``: none it was told rolled back is in either.
 - ``no_in_doubt_residue``: nothing in ``pg_prepared_xacts``, nothing pending in the log.
+
+The ``llr`` variant makes b a logging last resource: a prepares, b commits with the decision row,
+and the kills come from the matrix's last-resource scenarios too.
 """
 
 from __future__ import annotations
@@ -57,20 +60,21 @@ NODE = "bank"
 pytestmark = pytest.mark.crash
 
 
-def kill_points(log_kind: str) -> list[str]:
-    """The matrix's points a transfer passes: two branches, a and b, every vote yes."""
-    found: set[str] = set()
+def kill_points(log_kind: str, last: str | None = None) -> list[str]:
+    """The matrix's points a transfer passes: two branches, a and b, every vote yes; with
+    ``last``, the last-resource scenarios (whose last resource, c there, is ``last`` here)."""
+    found: set[str] = {"postgres.a.after_prepare", "tm.after_prepare.1"} if last else set()
+    two_phase = len(BRANCHES) - (last is not None)
     for scenario in PG_SCENARIOS:
         if set(scenario.plan) != {"2pc"} or scenario.segment_bytes:
             continue
-        if log_kind == "sql" and journal_only(scenario):
+        if (log_kind == "sql" and journal_only(scenario)) or bool(scenario.last) != bool(last):
             continue
-        for name in names(scenario):
+        for named in names(scenario):
+            name = named.replace(f"postgres.{scenario.last}.", f"postgres.{last}.")
             index = re.search(r"\.(\d+)$", name)
             resource = re.match(r"postgres\.([^.]+)\.", name)
-            if (index and int(index[1]) > len(BRANCHES)) or (
-                resource and resource[1] not in BRANCHES
-            ):
+            if (index and int(index[1]) > two_phase) or (resource and resource[1] not in BRANCHES):
                 continue
             found.add(name)
     return sorted(found)
@@ -86,7 +90,8 @@ def schedule(rng: random.Random, points: list[str]) -> list[tuple[str | None, fl
             continue
         point = rng.choice(points)
         # ~200 transfers a second: up to about half a second of work before the point fires
-        nth = 1 if point.startswith("recovery.") else rng.randint(1, 100)
+        in_recovery = point.startswith("recovery.") or point.endswith(".before_decision_lookup")
+        nth = 1 if in_recovery else rng.randint(1, 100)
         rounds.append((f"{point}:{nth}", 3.0))
     return rounds
 
@@ -129,19 +134,23 @@ def run_round(
     return seen, how
 
 
-@pytest.mark.parametrize("log_kind", ["file", "sql"])
+@pytest.mark.parametrize(
+    ("log_kind", "last"),
+    [("file", None), ("sql", None), pytest.param("file", "b", id="file-llr")],
+)
 def test_bank_transfers_survive_random_kills(
-    log_kind: str, tmp_path: Path, make_pg_database: Callable[[], str]
+    log_kind: str, last: str | None, tmp_path: Path, make_pg_database: Callable[[], str]
 ) -> None:
     rng = random.Random(SEED)
-    print(f"\nbank workload, {log_kind} log: seed {SEED} (TWOPC_BANK_SEED={SEED} replays it)")
+    what = f"{log_kind} log" + (f", {last} the last resource" if last else "")
+    print(f"\nbank workload, {what}: seed {SEED} (TWOPC_BANK_SEED={SEED} replays it)")
     dbs = Databases.create(make_pg_database, BRANCHES)
     opening = dbs.open_accounts(BRANCHES, range(ACCOUNTS))
     log = make_log(log_kind, tmp_path, make_pg_database)
-    common = [*dbs.args(), "--node", NODE, *log.args()]
+    common = [*dbs.args(), "--node", NODE, *log.args(), *(["--last", last] if last else [])]
 
     transcript: list[str] = []
-    for n, (crash_at, seconds) in enumerate(schedule(rng, kill_points(log_kind)), 1):
+    for n, (crash_at, seconds) in enumerate(schedule(rng, kill_points(log_kind, last)), 1):
         seen, how = run_round(common, crash_at, seconds, f"{SEED}-{n}", tmp_path)
         transcript += seen
         acked = sum(line.startswith("ACK") for line in seen)

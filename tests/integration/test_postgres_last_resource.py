@@ -1,0 +1,192 @@
+"""PostgresResource as a logging last resource against real servers: the decision row commits
+with the branch in one server commit, recovery reads and fences it, the rows are cleaned up.
+Crashes with ``kill -9`` live in tests/crash (the ``llr`` scenarios of the PostgreSQL matrix)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import text
+
+from coordinator import (
+    CompletionPending,
+    FileDecisionLog,
+    Outcome,
+    OutcomeUnknownError,
+    TransactionManager,
+    TransactionRolledBack,
+    Xid,
+)
+from coordinator.decision_log import Decision
+from coordinator.errors import FencedError
+from resource_managers.postgres import PostgresResource
+from tests.support.flaky_resource import FlakyResource
+from tests.support.managers import make_manager
+from tests.support.pg import ledger_engine, move, prepared_gids, total, transfer_ids
+
+
+@dataclass
+class Pair:
+    """Database a (a two-phase branch) and database last (the last resource)."""
+
+    engines: tuple[sa.Engine, sa.Engine]
+    a: PostgresResource
+    last: PostgresResource
+
+    def rows(self) -> dict[str, str]:
+        with self.engines[1].connect() as conn:
+            found = conn.execute(text("SELECT gtrid, outcome FROM twopc_decision_row"))
+            return {str(g): str(o) for g, o in found}
+
+
+@pytest.fixture
+def pair(make_pg_database: Callable[[], str]) -> Iterator[Pair]:
+    engines = (ledger_engine(make_pg_database()), ledger_engine(make_pg_database()))
+    yield Pair(
+        engines,
+        PostgresResource(engines[0], "a"),
+        PostgresResource(engines[1], "last", last_resource=True),
+    )
+    for engine in engines:
+        engine.dispose()
+
+
+def transfer(tx: object, pair: Pair, tid: str) -> None:
+    move(tx.join(pair.a), tid, 1, -10)  # type: ignore[attr-defined]
+    move(tx.join(pair.last), tid, 1, 10)  # type: ignore[attr-defined]
+
+
+def test_the_decision_commits_with_the_branch_in_one_round_trip(
+    pair: Pair, managers: list[TransactionManager], tmp_path: Path
+) -> None:
+    log = FileDecisionLog(tmp_path / "log")
+    tm = make_manager(managers, [pair.a, pair.last], log)
+    with tm.transaction() as tx:
+        transfer(tx, pair, "t1")
+    assert total(pair.engines[0]) + total(pair.engines[1]) == 8000
+    assert "t1" in transfer_ids(pair.engines[0]) and "t1" in transfer_ids(pair.engines[1])
+    assert pair.rows() == {tx.gtrid: "c"}
+    stats = log.stats()
+    assert stats.forced_records == stats.lazy_records == 0  # the decision log is untouched
+    with tm.transaction() as tx2:  # the ended row goes with the next commit, no extra trip
+        transfer(tx2, pair, "t2")
+    assert pair.rows() == {tx2.gtrid: "c"}
+    tm.recover()
+    assert pair.rows() == {}
+    assert prepared_gids(pair.engines[0]) == []
+
+
+def test_a_last_resource_needs_no_prepared_transactions(
+    make_pg_database: Callable[[], str], private_pg: Callable[..., object]
+) -> None:
+    """The last resource never prepares, so a server with max_prepared_transactions = 0 (most
+    managed databases) can be one."""
+    server = private_pg(max_prepared_transactions=0)  # type: ignore[call-arg]
+    engine = ledger_engine(str(server.url(server.create_database())))  # type: ignore[attr-defined]
+    last = PostgresResource(engine, "last", last_resource=True)
+    other = PostgresResource(ledger_engine(make_pg_database()), "a")
+    with pytest.raises(Exception, match="max_prepared_transactions"):
+        PostgresResource(engine, "plain").start(Xid.branch_of("n0:x-1", "plain"))
+    xid = Xid.branch_of("n0:x-1", "last")
+    move(last.start(xid), "t", 1, 5)
+    last.commit_with_decision(xid, Decision("n0:x-1", ("a",)))
+    assert "t" in transfer_ids(engine)
+    other.engine.dispose()
+    engine.dispose()
+
+
+def test_a_failed_last_commit_rolls_back_the_prepared_branch(
+    pair: Pair, managers: list[TransactionManager]
+) -> None:
+    tm = make_manager(managers, [pair.a, pair.last])
+    tx = tm.begin()
+    move(tx.join(pair.a), "t1", 1, -10)
+    session = tx.join(pair.last)
+    session.execute(text("INSERT INTO transfers (id, amount) VALUES ('t1', 1)"))
+    session.execute(text("UPDATE accounts SET balance = balance + 10 WHERE id = 1"))
+    with pytest.raises(sa.exc.IntegrityError):  # a duplicate key: the branch is doomed
+        session.execute(text("INSERT INTO transfers (id, amount) VALUES ('t1', 1)"))
+    with pytest.raises(TransactionRolledBack):
+        tx.commit()
+    assert total(pair.engines[0]) == total(pair.engines[1]) == 4000
+    assert prepared_gids(pair.engines[0]) == [] and pair.rows() == {}
+
+
+def test_recovery_commits_from_the_row_and_fences_the_rest(
+    pair: Pair, managers: list[TransactionManager]
+) -> None:
+    flaky_a = FlakyResource(pair.a, fail_on={"commit"})
+    tm = make_manager(managers, [flaky_a, pair.last])
+    tx = tm.begin()
+    transfer(tx, Pair(pair.engines, flaky_a, pair.last), "t1")  # type: ignore[arg-type]
+    with pytest.warns(CompletionPending):
+        assert tx.commit() == Outcome.COMMIT_PENDING
+    assert len(prepared_gids(pair.engines[0])) == 1
+    flaky_a.fail_on.clear()
+    report = tm.recover(force=True)
+    assert report.committed == [tx.gtrid]
+    assert total(pair.engines[0]) + total(pair.engines[1]) == 8000
+    assert prepared_gids(pair.engines[0]) == []
+
+    # an orphan of an earlier incarnation, no decision anywhere: presumed aborted and fenced
+    gtrid = "node-1:old-1"
+    branch = Xid.branch_of(gtrid, "a")
+    move(pair.a.start(branch), "t2", 1, -10)
+    pair.a.prepare(branch)
+    late = Xid.branch_of(gtrid, "last")
+    move(pair.last.start(late), "t2", 1, 10)
+    report = tm.recover(force=True)
+    assert report.rolled_back == [branch.to_gid()]
+    assert pair.rows()[gtrid] == "a"
+    with pytest.raises(FencedError):  # the late commit hits recovery's abort row
+        pair.last.commit_with_decision(late, Decision(gtrid, ("a",)))
+    assert "t2" not in transfer_ids(pair.engines[1])
+    assert total(pair.engines[0]) + total(pair.engines[1]) == 8000
+
+
+class LosesTheAnswer(PostgresResource):
+    """Commits, then reports the connection lost (the reply never came)."""
+
+    def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
+        super().commit_with_decision(xid, decision)
+        raise OutcomeUnknownError("connection lost (injected after the commit)", gtrid=xid.gtrid)
+
+
+def test_an_unknown_outcome_is_settled_by_reading_the_table(
+    pair: Pair, managers: list[TransactionManager]
+) -> None:
+    last = LosesTheAnswer(pair.engines[1], "last", last_resource=True)
+    tm = make_manager(managers, [pair.a, last])
+    tx = tm.begin()
+    move(tx.join(pair.a), "t1", 1, -10)
+    move(tx.join(last), "t1", 1, 10)
+    with pytest.raises(OutcomeUnknownError):
+        tx.commit()
+    assert len(prepared_gids(pair.engines[0])) == 1
+    report = tm.recover()  # the live manager: the row decides, not a guess
+    assert report.committed == [tx.gtrid]
+    assert total(pair.engines[0]) + total(pair.engines[1]) == 8000
+
+
+def test_recovery_defers_while_the_last_database_is_down(
+    pair: Pair, managers: list[TransactionManager]
+) -> None:
+    gtrid = "node-1:old-2"
+    branch = Xid.branch_of(gtrid, "a")
+    move(pair.a.start(branch), "t3", 1, -10)
+    pair.a.prepare(branch)
+    broken = PostgresResource(
+        sa.create_engine("postgresql+psycopg2://nobody@127.0.0.1:1/none"),
+        "last",
+        last_resource=True,
+    )
+    tm = make_manager(managers, [pair.a, broken], recover_on_start=False)
+    report = tm.recover(force=True)
+    assert report.failures and not report.rolled_back
+    assert len(prepared_gids(pair.engines[0])) == 1  # never presumed aborted
+    tm2 = make_manager(managers, [pair.a, pair.last], node_id="node-1", recover_on_start=False)
+    assert tm2.recover(force=True).rolled_back == [branch.to_gid()]
