@@ -278,6 +278,9 @@ class TransactionManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not tx.wait_settled(timeout):
             return False
+        if tx.llr_in_doubt:  # its other branches stay prepared until recovery reads the row
+            with self._lock:
+                return tx.gtrid not in self._loose
         if tx.state != TxState.ROLLED_BACK or not tx.unconfirmed:
             return True
         backoff = ExponentialBackoff(base=0.05, cap=1.0)
@@ -303,7 +306,8 @@ class TransactionManager:
     def unsettled(self) -> list[str]:
         """Gtrids of attempts this manager began that may still hold work although their
         caller has moved on: a completion still running after its caller timed out (or after
-        the reaper took it over), or a rollback some branch never confirmed. A consumer that
+        the reaper took it over), a rollback some branch never confirmed, or a last-resource
+        commit whose answer was lost (its other branches stay prepared until recovery). A consumer that
         must keep a stream's order receives nothing more until this is empty (`settle`)."""
         with self._lock:
             running = [
@@ -370,7 +374,7 @@ class TransactionManager:
             self._in_flight.pop(tx.gtrid, None)
             if tx.state == TxState.UNKNOWN and not tx.llr_in_doubt:
                 self._unknown.add(tx.gtrid)
-            if tx.unconfirmed:
+            if tx.unconfirmed or tx.llr_in_doubt:
                 self._loose[tx.gtrid] = tx
         self.metrics.incr(
             f"outcome_{(tx.outcome.value if tx.outcome else 'unknown').replace('-', '_')}"
