@@ -69,14 +69,14 @@ def commit(tx: Transaction) -> Outcome:
     started = time.perf_counter()
     try:
         left = tx.remaining()
-        if left is None or tx.manager.inline_completion:
+        if left is None or tx.runtime.inline_completion:
             outcome = _settling(tx)
         else:
             # copy_context: hooks and resources see the caller's context variables there too
-            job = tx.manager.executor().submit(contextvars.copy_context().run, _settling, tx)
+            job = tx.runtime.executor().submit(contextvars.copy_context().run, _settling, tx)
             outcome = _wait(tx, job, left)
     finally:
-        tx.manager.metrics.observe("commit", time.perf_counter() - started)
+        tx.runtime.metrics.observe("commit", time.perf_counter() - started)
     if outcome == Outcome.COMMIT_PENDING:
         warnings.warn(
             f"transaction {tx.gtrid} committed; some branches are not told yet and recovery "
@@ -108,7 +108,7 @@ def _wait(tx: Transaction, job: Future[Outcome], left: float) -> Outcome:
             reason="timeout",
         )
     try:  # committing (or rolling back for its own reason): give it the grace to finish
-        return job.result(timeout=tx.manager.phase_two_grace)
+        return job.result(timeout=tx.runtime.phase_two_grace)
     except FutureTimeout:
         return _late(tx, state)
 
@@ -131,7 +131,7 @@ def _settling(tx: Transaction) -> Outcome:
         return _complete(tx)
     finally:
         if not tx.reaped:  # else the reaper's rollback is the completion, and settles it
-            tx._settled.set()
+            tx.mark_settled()
 
 
 def _complete(tx: Transaction) -> Outcome:
@@ -171,7 +171,7 @@ def rollback(tx: Transaction) -> None:
         _rollback_branches(tx, [b.resource.name for b in tx.ordered_branches()])
         _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
     finally:
-        tx._settled.set()
+        tx.mark_settled()
 
 
 def _before_completion(tx: Transaction) -> None:
@@ -203,7 +203,7 @@ def _one_phase(tx: Transaction, branch: Branch) -> Outcome:
             f"one-phase commit of {branch.xid} failed: {exc!r}", gtrid=tx.gtrid, reason="error"
         ) from exc
     crash_point("tm.one_phase.before_ack")
-    tx.manager.metrics.incr("one_phase")
+    tx.runtime.metrics.incr("one_phase")
     return _finish(tx, TxState.COMMITTED, Outcome.COMMITTED)
 
 
@@ -214,12 +214,12 @@ def _two_phase(tx: Transaction) -> Outcome:
     started = time.perf_counter()
     order = [b.resource.name for b in tx.ordered_branches()]
     votes, error = _phase_one(tx, tx.ordered_branches())
-    tx.manager.metrics.observe("prepare", time.perf_counter() - started)
+    tx.runtime.metrics.observe("prepare", time.perf_counter() - started)
     result = protocol.tally(order, votes)
     if result.verdict == Verdict.ABORT:
         return _abort(tx, result.rollback, error)
     if result.verdict == Verdict.READ_ONLY:
-        tx.manager.metrics.incr("read_only")
+        tx.runtime.metrics.incr("read_only")
         return _finish(tx, TxState.COMMITTED, Outcome.READ_ONLY)
     read_only = [n for n in order if votes.get(n) == Vote.READ_ONLY]
     if read_only:
@@ -234,7 +234,7 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     started = time.perf_counter()
     others = [b for b in tx.ordered_branches() if b is not last]
     votes, error = _phase_one(tx, others)
-    tx.manager.metrics.observe("prepare", time.perf_counter() - started)
+    tx.runtime.metrics.observe("prepare", time.perf_counter() - started)
     result = protocol.tally([b.resource.name for b in others], votes)
     if result.verdict == Verdict.ABORT:
         return _abort(tx, (*result.rollback, last.resource.name), error)
@@ -266,7 +266,7 @@ def _phase_one(
     """Collect votes; stop at the first no (sequential) or wait for all (parallel)."""
     crash_point("tm.before_prepare")
     votes: dict[str, Vote | None] = {}
-    if tx.manager.parallel and len(branches) > 1:
+    if tx.runtime.parallel and len(branches) > 1:
         return _parallel_prepare(tx, branches)
     for index, branch in enumerate(branches, 1):
         if tx.caller_gave_up or (index > 1 and tx.timed_out()):
@@ -297,7 +297,7 @@ def _prepare_one(tx: Transaction, branch: Branch) -> tuple[Vote | None, BaseExce
 def _parallel_prepare(
     tx: Transaction, branches: list[Branch]
 ) -> tuple[dict[str, Vote | None], BaseException | None]:
-    pool = tx.manager.branch_executor()
+    pool = tx.runtime.branch_executor()
     futures = [(b, pool.submit(b.resource.prepare, b.xid)) for b in branches]
     votes: dict[str, Vote | None] = {}
     error: BaseException | None = None
@@ -344,7 +344,7 @@ def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
     with tx._lock:
         failure = _write_decision(tx, decision)
     if isinstance(failure, LogWriteError) and failure.durable is None:
-        tx.manager.log_failed(failure)
+        tx.runtime.log_failed(failure)
         _finish(tx, TxState.UNKNOWN, None)
         raise OutcomeUnknownError(
             f"the decision for {tx.gtrid} may or may not be on disk; its branches stay prepared "
@@ -353,7 +353,7 @@ def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
         ) from failure
     if failure is not None:
         _abort(tx, result.commit, failure)
-    tx.manager.metrics.observe("decision", time.perf_counter() - started)
+    tx.runtime.metrics.observe("decision", time.perf_counter() - started)
     crash_point("tm.after_decision_fsync")
 
 
@@ -362,7 +362,7 @@ def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None
     try:
         if tx.caller_gave_up:
             raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
-        tx.manager.log.log_commit(decision)
+        tx.runtime.log.log_commit(decision)
     except FencedError as exc:
         tx.fenced(exc)
         return exc
@@ -383,8 +383,8 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
-    if tx.manager.parallel and len(branches) > 1:
-        pool = tx.manager.branch_executor()
+    if tx.runtime.parallel and len(branches) > 1:
+        pool = tx.runtime.branch_executor()
         pending = [pool.submit(_commit_branch, tx, b) for b in branches]
         answers = (future.result() for future in pending)  # _commit_branch never raises
     else:
@@ -393,12 +393,12 @@ def _phase_two(
     for index, (name, result) in enumerate(zip(names, answers, strict=True), 1):
         results[name] = result
         crash_point(f"tm.after_commit.{index}")
-    tx.manager.metrics.observe("commit_phase", time.perf_counter() - started)
+    tx.runtime.metrics.observe("commit_phase", time.perf_counter() - started)
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
         if end is None:
-            write_end(tx.manager.log, tx.gtrid)
+            write_end(tx.runtime.log, tx.gtrid)
         else:
             end()
     _finish(tx, TxState.COMMITTED, outcome)
@@ -417,9 +417,9 @@ def _commit_branch(tx: Transaction, branch: Branch) -> BranchResult:
         reported = branch.resource.commit(branch.xid)
     except Exception as exc:
         log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
-        tx.manager.metrics.incr("commit_unreachable")
+        tx.runtime.metrics.incr("commit_unreachable")
         return BranchResult.UNREACHABLE
-    return judge_commit(tx.manager.log, branch.xid.gtrid, branch.resource.name, reported)
+    return judge_commit(tx.runtime.log, branch.xid.gtrid, branch.resource.name, reported)
 
 
 def judge_commit(
@@ -463,13 +463,13 @@ def _rollback_branches(tx: Transaction, names: list[str]) -> None:
             reported = branch.resource.rollback(branch.xid)
         except Exception as exc:
             log.warning("rollback of %s failed, recovery will retry: %r", branch.xid, exc)
-            tx.manager.metrics.incr("rollback_unreachable")
+            tx.runtime.metrics.incr("rollback_unreachable")
             tx.unconfirmed.add(name)
             reported = None
         else:
             tx.unconfirmed.discard(name)
         if reported == Outcome.HEURISTIC_COMMIT:
-            record_heuristic(tx.manager.log, tx.gtrid, name, reported)
+            record_heuristic(tx.runtime.log, tx.gtrid, name, reported)
         crash_point(f"tm.after_rollback.{index}")
 
 
@@ -477,11 +477,11 @@ def _finish(tx: Transaction, state: TxState, outcome: Outcome | None) -> Outcome
     if tx.state != state:
         tx.move_to(state)
     tx.outcome = outcome
-    tx.manager.ended(tx)
+    tx.runtime.ended(tx)
     for sync in tx.synchronizations:
         try:
             sync.after_completion(outcome or Outcome.HEURISTIC_HAZARD)
         except Exception:
             log.exception("after-completion hook of %s failed (ignored)", tx.gtrid)
-    tx._settled.set()
+    tx.mark_settled()
     return outcome or Outcome.HEURISTIC_HAZARD

@@ -58,8 +58,8 @@ def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> Ba
     with tx._lock:
         failure = _commit(tx, resource, last, Decision(tx.gtrid, branches, tx.wall_deadline))
     if failure is None:
-        tx.manager.metrics.observe("decision", time.perf_counter() - started)
-        tx.manager.metrics.incr("last_resource_commits")
+        tx.runtime.metrics.observe("decision", time.perf_counter() - started)
+        tx.runtime.metrics.incr("last_resource_commits")
     return failure
 
 
@@ -70,7 +70,7 @@ def _commit(
         if tx.caller_gave_up:
             raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
         decision = admit(decision, time.time)  # past its deadline: FencedError, nothing sent
-        tx.manager.log.check_owner()  # the node's lease (SQL log) is still ours
+        tx.runtime.log.check_owner()  # the node's lease (SQL log) is still ours
         resource.commit_with_decision(last.xid, decision)
     except OutcomeUnknownError as exc:
         tx.llr_in_doubt = True

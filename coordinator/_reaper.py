@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from .states import TxState
 
 if TYPE_CHECKING:
-    from .manager import TransactionManager
+    from .metrics import Metrics
+    from .transaction import Transaction
 
 log = logging.getLogger("twopc.reaper")
 
@@ -46,10 +47,12 @@ class Ticker:
                 log.exception("%s failed; trying again in %.1fs", self._thread.name, self.interval)
 
 
-def reap(manager: TransactionManager, abandon_after: float) -> None:
-    """One reaper sweep over the manager's live transactions."""
+def reap(
+    in_flight: Callable[[], list[Transaction]], metrics: Metrics, abandon_after: float
+) -> None:
+    """One reaper sweep over a manager's live transactions (``in_flight`` lists them)."""
     now = time.monotonic()
-    for tx in manager.in_flight():
+    for tx in in_flight():
         if tx.deadline is None or now < tx.deadline:
             continue
         if tx.state == TxState.ACTIVE:
@@ -57,9 +60,9 @@ def reap(manager: TransactionManager, abandon_after: float) -> None:
                 "transaction %s timed out after %.1fs; marked rollback-only", tx.gtrid, tx.timeout
             )
             tx.set_rollback_only("timeout")
-            manager.metrics.incr("timeouts")
+            metrics.incr("timeouts")
         elif tx.state == TxState.MARKED_ROLLBACK and now >= tx.deadline + abandon_after:
             log.warning("transaction %s abandoned by its owner; rolling it back", tx.gtrid)
-            manager.metrics.incr("abandoned")
+            metrics.incr("abandoned")
             tx.reaped = True  # before the rollback, so the owner can never see it unflagged
             tx.rollback()

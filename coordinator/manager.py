@@ -9,12 +9,12 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import _reaper
+from . import _completion, _reaper
+from ._runtime import Runtime
 from .backoff import Backoff, ExponentialBackoff
 from .decision_log import DecisionLog, HeuristicRecord
 from .errors import (
@@ -128,9 +128,6 @@ class TransactionManager:
         self.settle_timeout = settle_timeout
         self.log = log
         self.default_timeout = default_timeout
-        self.parallel = parallel
-        self.phase_two_grace = phase_two_grace
-        self.inline_completion = inline_completion
         self.metrics = Metrics()
         self._gtrids = GtridFactory(node_id)
         self._resources: dict[str, Resource] = {}
@@ -142,8 +139,12 @@ class TransactionManager:
         #: ended attempts with a branch that did not confirm its rollback (see `unsettled`)
         self._loose: dict[str, Transaction] = {}
         self._log_error: LogWriteError | None = None
-        self._max_workers = max_workers
-        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._runtime: Runtime[Transaction] = Runtime(
+            log, self.metrics, parallel=parallel, inline_completion=inline_completion,
+            phase_two_grace=phase_two_grace, max_workers=max_workers, register=self.register,
+            ended=self._ended, log_failed=self._log_failed, complete=_completion.commit,
+            abort=_completion.rollback,
+        )  # fmt: skip
         self._recovery = Recovery(
             node_id,
             log,
@@ -161,7 +162,11 @@ class TransactionManager:
         if recover_on_start:
             self.recover()
         if reaper_interval:
-            self._start("twopc-reaper", reaper_interval, lambda: _reaper.reap(self, abandon_after))
+            self._start(
+                "twopc-reaper",
+                reaper_interval,
+                lambda: _reaper.reap(self.in_flight, self.metrics, abandon_after),
+            )
         if recovery_interval:
             self._start("twopc-recovery", recovery_interval, self._periodic_recovery)
 
@@ -202,7 +207,7 @@ class TransactionManager:
         # between the two would count the sequence number but miss the transaction.
         with self._lock:
             gtrid = self._new_gtrid(gtrid_suffix)
-            tx = Transaction(self, gtrid, timeout)
+            tx = Transaction(self._runtime, gtrid, timeout)
             self._in_flight[gtrid] = tx
         _current.set(tx)
         self.metrics.incr("begun")
@@ -307,8 +312,9 @@ class TransactionManager:
         """Gtrids of attempts this manager began that may still hold work although their
         caller has moved on: a completion still running after its caller timed out (or after
         the reaper took it over), a rollback some branch never confirmed, or a last-resource
-        commit whose answer was lost (its other branches stay prepared until recovery). A consumer that
-        must keep a stream's order receives nothing more until this is empty (`settle`)."""
+        commit whose answer was lost (its other branches stay prepared until recovery). A
+        consumer that must keep a stream's order receives nothing more until this is empty
+        (`settle`)."""
         with self._lock:
             running = [
                 tx.gtrid for tx in self._in_flight.values() if tx.caller_gave_up or tx.reaped
@@ -369,7 +375,7 @@ class TransactionManager:
 
     # -- called by transactions ------------------------------------------------------------------
 
-    def ended(self, tx: Transaction) -> None:
+    def _ended(self, tx: Transaction) -> None:
         with self._lock:
             self._in_flight.pop(tx.gtrid, None)
             if tx.state == TxState.UNKNOWN and not tx.llr_in_doubt:
@@ -384,28 +390,10 @@ class TransactionManager:
         with self._lock:
             return list(self._in_flight.values())
 
-    def log_failed(self, error: LogWriteError) -> None:
+    def _log_failed(self, error: LogWriteError) -> None:
         """The log may hold a record we cannot see: stop deciding, stop presuming aborts."""
         log.critical("decision log failed (%r); restart the process to recover", error)
         self._log_error = error
-
-    def executor(self) -> ThreadPoolExecutor:
-        """Runs whole completions bounded by a timeout."""
-        return self._pool("completion")
-
-    def branch_executor(self) -> ThreadPoolExecutor:
-        """Runs parallel prepares; separate, so a completion never waits on its own pool."""
-        return self._pool("branch")
-
-    def _pool(self, kind: str) -> ThreadPoolExecutor:
-        pool = self._pools.get(kind)
-        if pool is None:
-            with self._lock:
-                pool = self._pools.get(kind)
-                if pool is None:
-                    pool = ThreadPoolExecutor(self._max_workers, f"twopc-{kind}")
-                    self._pools[kind] = pool
-        return pool
 
     def _check_open(self) -> None:
         if self._closed:
@@ -477,8 +465,7 @@ class TransactionManager:
         self._closed = True
         for ticker in self._tickers:
             ticker.stop()
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._runtime.shutdown()
         self.log.close()
 
     def __enter__(self) -> TransactionManager:

@@ -1,4 +1,8 @@
-"""A global transaction: its branches, its state, its hooks. Completion lives in `_completion`."""
+"""A global transaction: its branches, its state, its hooks.
+
+Completion lives in `_completion`; a transaction reaches it (and its manager) only through the
+`Runtime` it was begun with, so this module imports neither the manager nor completion.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import _completion
+from ._runtime import Runtime
 from .errors import (
     IllegalStateError,
     ProgrammingError,
@@ -20,9 +24,6 @@ from .last_resource import is_last_resource
 from .resource import Outcome, Resource, Synchronization
 from .states import TxState, check_transition, require
 from .xid import Xid
-
-if TYPE_CHECKING:
-    from .manager import TransactionManager
 
 log = logging.getLogger("twopc.transaction")
 
@@ -64,11 +65,11 @@ class Transaction:
 
     def __init__(
         self,
-        manager: TransactionManager,
+        runtime: Runtime[Transaction],
         gtrid: str,
         timeout: float | None,
     ) -> None:
-        self.manager = manager
+        self.runtime = runtime
         self.gtrid = gtrid
         self.timeout = timeout
         self.started = time.monotonic()
@@ -95,8 +96,10 @@ class Transaction:
         #: work (locks, messages handed out) until a later rollback or recovery reaches them
         self.unconfirmed: set[str] = set()
         self._lock = threading.RLock()
-        #: set once completion stopped running (final state reached, or its job ended)
-        self._settled = threading.Event()
+        #: completion stopped running (final state reached, or its job ended); the event is
+        #: made only for someone who waits, so the common case costs no Event per transaction
+        self._settled = False
+        self._settled_event: threading.Event | None = None
 
     def __repr__(self) -> str:
         return f"<Transaction {self.gtrid} {self.state.value} branches={sorted(self.branches)}>"
@@ -118,7 +121,7 @@ class Transaction:
                     f"{resource.name!r} is a last resource and {self.last_branch.resource.name!r} "
                     "already joined as one: a transaction may have at most one last resource"
                 )
-            self.manager.register(resource)
+            self.runtime.register(resource)
             xid = Xid.branch_of(self.gtrid, resource.name)
             handle = resource.start(xid)
             branch = self.branches[resource.name] = Branch(resource, xid, handle)
@@ -153,20 +156,34 @@ class Transaction:
 
     def commit(self) -> Outcome:
         """Commit; returns the outcome or raises (`TransactionRolledBack`, a heuristic, unknown)."""
-        return _completion.commit(self)
+        return self.runtime.complete(self)
 
     def rollback(self) -> None:
-        _completion.rollback(self)
+        self.runtime.abort(self)
 
     @property
     def settled(self) -> bool:
         """True once nothing is completing this transaction any more. A caller that timed out
         can leave before that: its completion job still waits for a branch's answer."""
-        return self._settled.is_set()
+        return self._settled
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Wait until `settled` (at most ``timeout`` seconds); returns `settled`."""
-        return self._settled.wait(timeout)
+        with self._lock:
+            if self._settled:
+                return True
+            if self._settled_event is None:
+                self._settled_event = threading.Event()
+            event = self._settled_event
+        return event.wait(timeout)
+
+    def mark_settled(self) -> None:
+        """Completion has stopped running (called by `_completion` and nobody else)."""
+        with self._lock:
+            self._settled = True
+            event = self._settled_event
+        if event is not None:
+            event.set()
 
     # -- helpers for the driver and the reaper -----------------------------------------------
 

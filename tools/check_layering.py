@@ -1,5 +1,5 @@
 """Fail when an import breaks the layering spark_integration > messaging
-> resource_managers > coordinator.
+> resource_managers > coordinator, or when modules of coordinator/ import each other in a circle.
 
 Why a script and not a convention: the coordinator is the part people trust with their money, so it
 must stay importable with nothing but the standard library, and a lower layer must never reach up
@@ -44,8 +44,63 @@ def violations() -> list[str]:
     return problems
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _local_imports(path: Path, known: set[str]) -> set[str]:
+    """Modules of ``known`` that ``path`` imports (relative or absolute, at any depth, including
+    imports under ``if TYPE_CHECKING``: a circle of type hints is still a circle of modules)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def cycles(package: str = "coordinator") -> list[list[str]]:
+    """Import circles among the modules of ``package`` (package ``__init__`` files excluded:
+    re-exporting is not depending)."""
+    paths = {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+    known = {m for m, p in paths.items() if p.name != "__init__.py"}
+    graph = {m: _local_imports(paths[m], known) for m in known}
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                found.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(known):
+        if module not in state:
+            visit(module)
+    return found
+
+
 def main() -> int:
     problems = violations()
+    problems += [f"import circle: {' -> '.join(c)}" for c in cycles()]
     for line in problems:
         print(line, file=sys.stderr)
     print(f"layering: {len(problems)} violation(s)")

@@ -458,8 +458,8 @@ def test_reaper_marking_during_commit_never_raises_illegal_state(
 def abandon(tm: TransactionManager, tx: Transaction) -> None:
     """What the reaper does to a transaction whose owner stays away past ``abandon_after``."""
     assert wait_for(tx.timed_out)
-    _reaper.reap(tm, abandon_after=0.0)  # marks it rollback-only
-    _reaper.reap(tm, abandon_after=0.0)  # and, abandoned, rolls it back
+    _reaper.reap(tm.in_flight, tm.metrics, abandon_after=0.0)  # marks it rollback-only
+    _reaper.reap(tm.in_flight, tm.metrics, abandon_after=0.0)  # and, abandoned, rolls it back
 
 
 @pytest.mark.parametrize("branches", [1, 2], ids=["one-phase", "two-phase"])
@@ -495,8 +495,8 @@ def test_owner_committing_while_the_reaper_rolls_back_is_told_rolled_back(
     tx.join(a).add("n", 1)
     tx.join(b).add("n", 1)
     assert wait_for(tx.timed_out)
-    _reaper.reap(tm, abandon_after=0.0)  # marks it rollback-only
-    reaper = threading.Thread(target=_reaper.reap, args=(tm, 0.0))
+    _reaper.reap(tm.in_flight, tm.metrics, abandon_after=0.0)  # marks it rollback-only
+    reaper = threading.Thread(target=_reaper.reap, args=(tm.in_flight, tm.metrics, 0.0))
     reaper.start()
     try:
         assert rolling.wait(5.0) and tx.state == TxState.ROLLING_BACK
