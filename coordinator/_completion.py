@@ -130,7 +130,8 @@ def _settling(tx: Transaction) -> Outcome:
     try:
         return _complete(tx)
     finally:
-        if not tx.reaped:  # else the reaper's rollback is the completion, and settles it
+        # the reaper's rollback, or an asynchronous phase two, settles it when it ends
+        if not tx.reaped and not tx.handed_off:
             tx.mark_settled()
 
 
@@ -225,7 +226,7 @@ def _two_phase(tx: Transaction) -> Outcome:
     if read_only:
         crash_point("tm.read_only.after_vote")
     _force_decision(tx, result)
-    return _phase_two(tx, result.commit)
+    return _commit_decided(tx, result.commit)
 
 
 def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
@@ -257,7 +258,53 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
         _abort(tx, (*result.commit, last.resource.name), failure)
     crash_point("tm.llr.after_commit")
     resource = _last_resource.as_last(last.resource)
-    return _phase_two(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
+    return _commit_decided(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
+
+
+def _commit_decided(
+    tx: Transaction, names: tuple[str, ...], end: Callable[[], None] | None = None
+) -> Outcome:
+    """Phase two of a decided transaction: here, or with ``async_phase_two`` on a background
+    worker while the caller goes on (Narayana's asyncCommit).
+
+    Handing off is safe because the decision is durable before it: a crash before the worker
+    is done leaves a COMMIT record (or a last resource's row) that recovery re-drives, exactly
+    as after a crash in phase two on the caller's thread. The transaction stays in flight (and
+    unsettled) until the worker ends, so recovery leaves its branches alone meanwhile. When no
+    worker slot is free (phase two falls behind the commits) it runs here instead: back-pressure,
+    never an unbounded queue."""
+    runtime = tx.runtime
+    if runtime.async_phase_two and runtime.async_slots.acquire(blocking=False):
+        tx.handed_off = True
+        try:
+            runtime.phase_two_executor().submit(
+                contextvars.copy_context().run, _phase_two_behind, tx, names, end
+            )
+        except RuntimeError:  # the manager is closing: recovery re-drives it after restart
+            runtime.async_slots.release()
+            tx.handed_off = False
+            return _phase_two(tx, names, end)
+        crash_point("tm.async_phase_two.handed_off")
+        runtime.metrics.incr("async_phase_two")
+        return Outcome.COMMITTED
+    return _phase_two(tx, names, end)
+
+
+def _phase_two_behind(
+    tx: Transaction, names: tuple[str, ...], end: Callable[[], None] | None
+) -> None:
+    """The background half of `_commit_decided`: nobody waits for it, so what it cannot tell a
+    caller it logs (a heuristic outcome is also forced into the decision log by `judge_commit`,
+    where `twopc heuristics` shows it)."""
+    try:
+        _phase_two(tx, names, end)
+    except HeuristicError as exc:
+        log.error("asynchronous phase two of %s: %s", tx.gtrid, exc)
+    except Exception:
+        log.exception("asynchronous phase two of %s failed; recovery will finish it", tx.gtrid)
+    finally:
+        tx.runtime.async_slots.release()
+        tx.mark_settled()
 
 
 def _phase_one(

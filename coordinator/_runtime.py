@@ -39,6 +39,7 @@ class Runtime(Generic[TxT]):
         inline_completion: bool,
         phase_two_grace: float,
         max_workers: int,
+        async_phase_two: bool = False,
         register: Callable[[Resource], None],
         ended: Callable[[TxT], None],
         log_failed: Callable[[LogWriteError], None],
@@ -50,6 +51,10 @@ class Runtime(Generic[TxT]):
         self.parallel = parallel
         self.inline_completion = inline_completion
         self.phase_two_grace = phase_two_grace
+        #: phase two on a background worker once the decision is durable (`_completion`)
+        self.async_phase_two = async_phase_two
+        #: at most this many handed-off phase twos pending: beyond it, the caller runs its own
+        self.async_slots = threading.BoundedSemaphore(max_workers * 4)
         #: enlist a resource with the manager, for recovery (every join calls it)
         self.register = register
         #: a transaction reached its final state: the manager forgets it (or keeps it loose)
@@ -72,6 +77,10 @@ class Runtime(Generic[TxT]):
         pool."""
         return self._pool("branch")
 
+    def phase_two_executor(self) -> ThreadPoolExecutor:
+        """Runs asynchronous phase twos; its own pool, so they never wait behind a prepare."""
+        return self._pool("phase-two")
+
     def _pool(self, kind: str) -> ThreadPoolExecutor:
         pool = self._pools.get(kind)
         if pool is None:
@@ -83,6 +92,11 @@ class Runtime(Generic[TxT]):
         return pool
 
     def shutdown(self) -> None:
-        """Stop the pools without waiting: in-flight transactions are left to recovery."""
+        """Stop the pools. Handed-off phase twos are finished first (their transactions are
+        decided: leaving them would keep their branches prepared, holding locks, until the next
+        recovery); anything else still running is left to recovery."""
+        phase_two = self._pools.get("phase-two")
+        if phase_two is not None:
+            phase_two.shutdown(wait=True)
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)

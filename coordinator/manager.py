@@ -57,7 +57,7 @@ def current() -> Transaction | None:
     raises then). ``begin``/``commit`` leave the ended one in the variable: completion may run on
     another thread, which cannot reset this context's variable."""
     tx = _current.get()
-    return None if tx is None or tx.state.is_final else tx
+    return None if tx is None or not tx.live else tx
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,8 @@ class TransactionManager:
     ``sub_branch_grace``: seconds before recovery presumes a stamped sub-branch (one begun by a
     process this manager does not know, such as a Spark executor) aborted; longer than such a
     process can take from its prepare to its coordinator's decision (`coordinator.xid`).
+    ``async_phase_two``: return to the caller once the decision is durable and commit the
+    branches on a background worker (off by default: see docs/concepts.md, §4).
     ``settle_timeout``: how long `run` waits, before a retry, for the failed attempt to settle
     (its completion to end and every branch to confirm its rollback; see `await_settled`).
     """
@@ -121,6 +123,7 @@ class TransactionManager:
         backoff: Backoff | None = None,
         sub_branch_grace: float = 900.0,
         settle_timeout: float = 60.0,
+        async_phase_two: bool = False,
     ) -> None:
         if not settle_timeout > 0:
             raise ProgrammingError("settle_timeout must be > 0 seconds")
@@ -141,7 +144,8 @@ class TransactionManager:
         self._log_error: LogWriteError | None = None
         self._runtime: Runtime[Transaction] = Runtime(
             log, self.metrics, parallel=parallel, inline_completion=inline_completion,
-            phase_two_grace=phase_two_grace, max_workers=max_workers, register=self.register,
+            phase_two_grace=phase_two_grace, max_workers=max_workers,
+            async_phase_two=async_phase_two, register=self.register,
             ended=self._ended, log_failed=self._log_failed, complete=_completion.commit,
             abort=_completion.rollback,
         )  # fmt: skip
@@ -200,7 +204,7 @@ class TransactionManager:
         """Start a transaction and make it the current one of this thread or task."""
         self._check_open()
         active = _current.get()
-        if active is not None and not active.state.is_final:
+        if active is not None and active.live:
             raise IllegalStateError("a transaction is already active in this context")
         timeout = _check_timeout(self.default_timeout if timeout is _UNSET else timeout)
         # One acquisition for the gtrid and the in-flight entry: a recovery snapshot taken
@@ -220,13 +224,13 @@ class TransactionManager:
         try:
             yield tx
         except BaseException:
-            if not tx.state.is_final:
+            if tx.live:
                 tx.rollback()
             raise
         else:
             if tx.reaped:  # never let a block the reaper rolled back exit as if committed
                 raise tx.rolled_back_error("transaction rolled back by the reaper")
-            if not tx.state.is_final:
+            if tx.live:
                 tx.commit()
         finally:
             if _current.get() is tx:
@@ -234,7 +238,7 @@ class TransactionManager:
 
     def current(self) -> Transaction:
         tx = _current.get()
-        if tx is None or tx.state.is_final:
+        if tx is None or not tx.live:
             raise NoTransactionError("no transaction is active in this context")
         return tx
 

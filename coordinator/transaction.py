@@ -92,6 +92,8 @@ class Transaction:
         self.llr_in_doubt = False
         #: rolled back by the reaper behind its owner's back: the owner must hear so, not commit
         self.reaped = False
+        #: decided, and phase two handed to a background worker (``async_phase_two``)
+        self.handed_off = False
         #: branches told to roll back that did not confirm it: they may still hold this attempt's
         #: work (locks, messages handed out) until a later rollback or recovery reaches them
         self.unconfirmed: set[str] = set()
@@ -136,6 +138,12 @@ class Transaction:
                 check_transition(self.state, TxState.MARKED_ROLLBACK)
                 self.state = TxState.MARKED_ROLLBACK
                 self.rollback_reason = reason
+
+    @property
+    def live(self) -> bool:
+        """Still the application's to commit or roll back: not ended, and not decided with its
+        phase two handed to a background worker (``async_phase_two``)."""
+        return not self.state.is_final and not self.handed_off
 
     @property
     def rollback_only(self) -> bool:

@@ -401,7 +401,7 @@ class Session:
         self._prefetched.clear()
         if tx is None:
             return
-        if tx.state.is_final:  # ended behind the session's back (the reaper, the application)
+        if not tx.live:  # ended behind the session's back (the reaper, the application)
             if commit:
                 _check_committed(tx)
             return
@@ -439,7 +439,7 @@ class Session:
         `commit` commit half of the application's unit of work."""
         self._check_open()
         tx = self._tx
-        if tx is not None and tx.state.is_final:
+        if tx is not None and not tx.live:
             self._tx = None
             self._unacked.clear()
             self._prefetched.clear()
@@ -511,6 +511,8 @@ class Session:
 
 
 def _check_committed(tx: Transaction) -> None:
-    """Raise if ``tx`` ended without committing."""
+    """Raise if ``tx`` ended without committing (decided and handed off counts as committed)."""
+    if tx.handed_off:
+        return
     if tx.outcome is None or tx.outcome is Outcome.ROLLED_BACK:
         raise tx.rolled_back_error("the session's transaction rolled back")

@@ -65,6 +65,7 @@ class Scenario:
     segment_bytes: int | None = None
     label: str = ""
     last: str | None = None
+    asynchronous: bool = False  # async_phase_two: phase two on a background worker
 
     @property
     def name(self) -> str:
@@ -98,6 +99,22 @@ LLR_SCENARIOS = [
     _llr("recovery.llr.after_lookup", ROLLED_BACK, first="tm.llr.before_commit:3", label="abort"),
     _llr("recovery.after_resolve.1", COMMITTED, first="tm.llr.after_commit:3", label="redo"),
     _llr("recovery.after_resolve.2", ROLLED_BACK, first="tm.llr.before_commit:3", label="abort"),
+]
+
+
+def _async(point: str, **kw: Any) -> Scenario:
+    label = "async llr" if kw.get("last") else "async"
+    return Scenario(point, COMMITTED, label=label, asynchronous=True, **kw)
+
+
+#: async_phase_two: the caller returns once the decision is durable, a worker commits the
+#: branches; a kill there (the caller may have acknowledged already) is finished by recovery
+ASYNC_SCENARIOS = [
+    _async("tm.async_phase_two.handed_off:3"),
+    _async("tm.after_commit.1:3"),
+    _async("tm.after_commit.3:3"),
+    _async("tm.before_end_record:3"),
+    _async("tm.after_commit.1:3", last="c"),
 ]
 
 SCENARIOS = [
@@ -137,6 +154,7 @@ SCENARIOS = [
     *(Scenario(f"fileres.{r}.after_stage:3", ROLLED_BACK) for r in RESOURCES),
     *(Scenario(f"fileres.{r}.after_apply:3", COMMITTED) for r in RESOURCES),
     *LLR_SCENARIOS,
+    *ASYNC_SCENARIOS,
 ]
 
 
@@ -175,10 +193,12 @@ class Transcript:
     writers: dict[str, list[str]]
     acked: list[str]
     aborted: list[str]
+    #: phase two ran behind the caller: the killed transaction may have been acknowledged
+    asynchronous: bool = False
 
     @classmethod
-    def parse(cls, stdout: str) -> Transcript:
-        t = cls({}, {}, [], [])
+    def parse(cls, stdout: str, *, asynchronous: bool = False) -> Transcript:
+        t = cls({}, {}, [], [], asynchronous)
         for line in stdout.splitlines():
             word, *rest = line.split()
             if word == "BEGIN":
@@ -192,6 +212,8 @@ class Transcript:
     @property
     def interrupted(self) -> str:
         open_ = [g for g in self.kinds if g not in self.acked and g not in self.aborted]
+        if self.asynchronous and not open_:
+            return list(self.kinds)[-1]  # acknowledged, then killed in its phase two
         assert len(open_) == 1, f"expected one interrupted transaction, found {open_}"
         return open_[0]
 
@@ -289,6 +311,8 @@ def test_crash_point(scenario: Scenario, tmp_path: Path, crash_matrix: Any) -> N
     if scenario.last:
         run_args += ["--last", scenario.last]
         recover_args += ["--last", scenario.last]
+    if scenario.asynchronous:
+        run_args += ["--async-phase-two"]
     if scenario.segment_bytes:
         run_args += ["--segment-bytes", str(scenario.segment_bytes)]
         recover_args += ["--segment-bytes", str(scenario.segment_bytes)]
@@ -302,7 +326,7 @@ def test_crash_point(scenario: Scenario, tmp_path: Path, crash_matrix: Any) -> N
     report = json.loads(recovered.stdout.split("RECOVERED ", 1)[1])
     assert not report["failures"], report
 
-    transcript = Transcript.parse(first.stdout)
+    transcript = Transcript.parse(first.stdout, asynchronous=scenario.asynchronous)
     states = {r: read_state(tmp_path / r) for r in RESOURCES}
     ended, problems = decision_stable(states, transcript, scenario.expect)
     problems += atomicity(states)

@@ -41,7 +41,12 @@ KINDS = ("2pc", "veto", "1pc", "ro", "rob")
 
 
 def open_manager(
-    root: Path, segment_bytes: int | None, *, recover_on_start: bool, last: str | None = None
+    root: Path,
+    segment_bytes: int | None,
+    *,
+    recover_on_start: bool,
+    last: str | None = None,
+    async_phase_two: bool = False,
 ) -> TransactionManager:
     resources = [FileResource(name, root / name, last_resource=name == last) for name in RESOURCES]
     if segment_bytes is None:
@@ -55,6 +60,7 @@ def open_manager(
         recovery_interval=None,
         reaper_interval=None,
         recover_on_start=recover_on_start,
+        async_phase_two=async_phase_two,
     )
 
 
@@ -85,8 +91,12 @@ def work(tm: TransactionManager, tx: Transaction, kind: str) -> list[str]:
     return ["a", "b", "c"]
 
 
-def run(root: Path, plan: list[str], segment_bytes: int | None, last: str | None) -> int:
-    tm = open_manager(root, segment_bytes, recover_on_start=True, last=last)
+def run(
+    root: Path, plan: list[str], segment_bytes: int | None, last: str | None, asynchronous: bool
+) -> int:
+    tm = open_manager(
+        root, segment_bytes, recover_on_start=True, last=last, async_phase_two=asynchronous
+    )
     for kind in plan:
         tx = tm.begin()
         wrote = work(tm, tx, kind)
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", default="2pc,2pc,2pc")
     parser.add_argument("--segment-bytes", type=int, default=None)
     parser.add_argument("--last", choices=RESOURCES, default=None)
+    parser.add_argument("--async-phase-two", action="store_true")
     args = parser.parse_args(argv)
     if args.mode == "recover":
         return recover(args.dir, args.segment_bytes, args.last)
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(plan) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)}; expected some of {KINDS}")
-    return run(args.dir, plan, args.segment_bytes, args.last)
+    return run(args.dir, plan, args.segment_bytes, args.last, args.async_phase_two)
 
 
 if __name__ == "__main__":

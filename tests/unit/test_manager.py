@@ -656,3 +656,39 @@ def test_unsettled_lists_a_completion_still_running_after_its_caller_left(
     slow.release()
     assert tm.settle(timeout=10) is True
     assert tx.settled and tx.state == TxState.ROLLED_BACK and tm.unsettled() == []
+
+
+# -- asynchronous phase two ----------------------------------------------------------------------
+
+
+def test_async_phase_two_returns_at_the_decision_and_commits_behind(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    a, b, c = abc
+    release = threading.Event()
+    slow = FlakyResource(b, before={"commit": lambda xid: release.wait(5.0)})
+    log = RecordingLog()
+    tm = manager(managers, [a, slow, c], log, async_phase_two=True)
+    with tm.transaction() as tx:
+        transfer(tx, a, slow, c)
+    assert tx.outcome is None and tx.handed_off and not tx.settled  # decided, not yet told
+    assert [d.gtrid for d in log.decisions] == [tx.gtrid]
+    assert tm.unsettled() == [] and coordinator.current() is None
+    with tm.transaction() as nxt:  # the context is free for the next transaction at once
+        nxt.join(a).add("other", 1)
+    release.set()
+    assert tx.wait_settled(10) and tx.outcome == Outcome.COMMITTED
+    assert outcomes(tx.gtrid, a, b, c) == [COMMITTED] * 3  # atomicity
+    assert log.pending() == [] and tm.metrics_dict()["async_phase_two"] == 1
+
+
+def test_async_phase_two_falls_back_to_the_caller_when_no_worker_is_free(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    tm = manager(managers, list(abc), async_phase_two=True, max_workers=1)
+    slots = tm._runtime.async_slots
+    while slots.acquire(blocking=False):  # every slot taken: phase two is behind
+        pass
+    with tm.transaction() as tx:
+        transfer(tx, *abc)
+    assert tx.outcome == Outcome.COMMITTED and not tx.handed_off  # ran on the caller's thread
