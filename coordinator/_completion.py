@@ -76,7 +76,12 @@ def commit(tx: Transaction) -> Outcome:
             job = tx.runtime.executor().submit(contextvars.copy_context().run, _settling, tx)
             outcome = _wait(tx, job, left)
     finally:
-        tx.runtime.metrics.observe("commit", time.perf_counter() - started)
+        took = ("commit", time.perf_counter() - started)
+        if tx.handed_off:  # the worker records the other phases when it is done
+            tx.runtime.metrics.observe_many([took])
+        else:
+            tx.timings.append(took)
+            tx.runtime.metrics.observe_many(tx.timings)
     if outcome == Outcome.COMMIT_PENDING:
         warnings.warn(
             f"transaction {tx.gtrid} committed; some branches are not told yet and recovery "
@@ -213,9 +218,10 @@ def _one_phase(tx: Transaction, branch: Branch) -> Outcome:
 
 def _two_phase(tx: Transaction) -> Outcome:
     started = time.perf_counter()
-    order = [b.resource.name for b in tx.ordered_branches()]
-    votes, error = _phase_one(tx, tx.ordered_branches())
-    tx.runtime.metrics.observe("prepare", time.perf_counter() - started)
+    branches = tx.ordered_branches()
+    order = [b.resource.name for b in branches]
+    votes, error = _phase_one(tx, branches)
+    tx.timings.append(("prepare", time.perf_counter() - started))
     result = protocol.tally(order, votes)
     if result.verdict == Verdict.ABORT:
         return _abort(tx, result.rollback, error)
@@ -235,7 +241,7 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     started = time.perf_counter()
     others = [b for b in tx.ordered_branches() if b is not last]
     votes, error = _phase_one(tx, others)
-    tx.runtime.metrics.observe("prepare", time.perf_counter() - started)
+    tx.timings.append(("prepare", time.perf_counter() - started))
     result = protocol.tally([b.resource.name for b in others], votes)
     if result.verdict == Verdict.ABORT:
         return _abort(tx, (*result.rollback, last.resource.name), error)
@@ -303,6 +309,7 @@ def _phase_two_behind(
     except Exception:
         log.exception("asynchronous phase two of %s failed; recovery will finish it", tx.gtrid)
     finally:
+        tx.runtime.metrics.observe_many(tx.timings)
         tx.runtime.async_slots.release()
         tx.mark_settled()
 
@@ -400,7 +407,7 @@ def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
         ) from failure
     if failure is not None:
         _abort(tx, result.commit, failure)
-    tx.runtime.metrics.observe("decision", time.perf_counter() - started)
+    tx.timings.append(("decision", time.perf_counter() - started))
     crash_point("tm.after_decision_fsync")
 
 
@@ -440,7 +447,7 @@ def _phase_two(
     for index, (name, result) in enumerate(zip(names, answers, strict=True), 1):
         results[name] = result
         crash_point(f"tm.after_commit.{index}")
-    tx.runtime.metrics.observe("commit_phase", time.perf_counter() - started)
+    tx.timings.append(("commit_phase", time.perf_counter() - started))
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")

@@ -58,7 +58,7 @@ def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> Ba
     with tx._lock:
         failure = _commit(tx, resource, last, Decision(tx.gtrid, branches, tx.wall_deadline))
     if failure is None:
-        tx.runtime.metrics.observe("decision", time.perf_counter() - started)
+        tx.timings.append(("decision", time.perf_counter() - started))
         tx.runtime.metrics.incr("last_resource_commits")
     return failure
 

@@ -51,6 +51,8 @@ def observe(callback: Callable[[str], None]) -> None:
 
 def crash_point(name: str) -> None:
     """Die here, by SIGKILL, if this point is armed and this is its nth hit."""
+    if not _armed and not _observers:  # production: nothing armed, nobody tracing
+        return
     for callback in _observers:
         callback(name)
     if not _armed:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
 from . import _completion, _reaper
@@ -29,7 +29,7 @@ from .errors import (
 )
 from .metrics import Metrics
 from .recovery import Recovery, RecoveryReport
-from .resource import Resource
+from .resource import Outcome, Resource
 from .states import TxState
 from .transaction import Transaction
 from .xid import GtridFactory, Xid, custom_gtrid, resource_of, validate_resource_name
@@ -88,6 +88,50 @@ class _Guard:
             return True
         seq = m._gtrids.own_seq(gtrid)
         return seq is not None and seq > self._high_water
+
+
+#: the counter each outcome of a transaction raises (None: unknown)
+_OUTCOME_COUNTER: dict[Outcome | None, str] = {
+    None: "outcome_unknown",
+    **{o: f"outcome_{o.value.replace('-', '_')}" for o in Outcome},
+}
+
+
+class _Block:
+    """The context manager `TransactionManager.transaction` returns. A class rather than a
+    generator-based ``contextlib.contextmanager``: every transaction enters one, and the
+    generator machinery cost more than the rest of the block's own work."""
+
+    __slots__ = ("_kwargs", "_manager", "_timeout", "_tx")
+
+    def __init__(self, manager: TransactionManager, timeout: Any, kwargs: dict[str, Any]) -> None:
+        self._manager, self._timeout, self._kwargs = manager, timeout, kwargs
+        self._tx: Transaction | None = None
+
+    def __enter__(self) -> Transaction:
+        self._tx = self._manager.begin(self._timeout, **self._kwargs)
+        return self._tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tx = self._tx
+        assert tx is not None
+        try:
+            if exc_type is not None:
+                if tx.live:
+                    tx.rollback()
+                return  # the exception propagates
+            if tx.reaped:  # never let a block the reaper rolled back exit as if committed
+                raise tx.rolled_back_error("transaction rolled back by the reaper")
+            if tx.live:
+                tx.commit()
+        finally:
+            if _current.get() is tx:
+                _current.set(None)
 
 
 class TransactionManager:
@@ -217,24 +261,10 @@ class TransactionManager:
         self.metrics.incr("begun")
         return tx
 
-    @contextlib.contextmanager
-    def transaction(self, timeout: float | None = _UNSET, **kwargs: Any) -> Iterator[Transaction]:
-        """Commit on normal exit, roll back on an exception (which is re-raised)."""
-        tx = self.begin(timeout, **kwargs)
-        try:
-            yield tx
-        except BaseException:
-            if tx.live:
-                tx.rollback()
-            raise
-        else:
-            if tx.reaped:  # never let a block the reaper rolled back exit as if committed
-                raise tx.rolled_back_error("transaction rolled back by the reaper")
-            if tx.live:
-                tx.commit()
-        finally:
-            if _current.get() is tx:
-                _current.set(None)
+    def transaction(self, timeout: float | None = _UNSET, **kwargs: Any) -> _Block:
+        """``with tm.transaction() as tx:`` commits on normal exit and rolls back on an exception
+        (which is re-raised)."""
+        return _Block(self, timeout, kwargs)
 
     def current(self) -> Transaction:
         tx = _current.get()
@@ -386,9 +416,7 @@ class TransactionManager:
                 self._unknown.add(tx.gtrid)
             if tx.unconfirmed or tx.llr_in_doubt:
                 self._loose[tx.gtrid] = tx
-        self.metrics.incr(
-            f"outcome_{(tx.outcome.value if tx.outcome else 'unknown').replace('-', '_')}"
-        )
+        self.metrics.incr(_OUTCOME_COUNTER[tx.outcome])
 
     def in_flight(self) -> list[Transaction]:
         with self._lock:

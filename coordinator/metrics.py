@@ -71,6 +71,17 @@ class Metrics:
                 hist = self.phases[phase] = Histogram()
             hist.observe(seconds)
 
+    def observe_many(self, timings: list[tuple[str, float]]) -> None:
+        """`observe` each (phase, seconds) under one acquisition of the lock: a transaction's
+        completion records its phases together instead of paying the lock once per phase."""
+        with self._lock:
+            phases = self.phases
+            for phase, seconds in timings:
+                hist = phases.get(phase)
+                if hist is None:
+                    hist = phases[phase] = Histogram()
+                hist.observe(seconds)
+
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self.counters)

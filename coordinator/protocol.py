@@ -17,6 +17,10 @@ from .resource import Outcome, Vote
 class Plan(enum.Enum):
     """How to end a transaction that asked to commit."""
 
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
+
     NOTHING = "nothing"  # no branch: nothing to do
     ONE_PHASE = "one-phase"  # one branch: commit it directly, log nothing
     TWO_PHASE = "two-phase"
@@ -32,6 +36,10 @@ def plan(branch_count: int, rollback_only: bool) -> Plan:
 
 
 class Verdict(enum.Enum):
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
+
     COMMIT = "commit"  # force a COMMIT record, then phase two on ``commit``
     ABORT = "abort"  # log nothing; roll back ``rollback``
     READ_ONLY = "read-only"  # every branch read-only: nothing to log, nothing to finish
@@ -65,6 +73,10 @@ def tally(order: Iterable[str], votes: Mapping[str, Vote | None]) -> Tally:
 
 class BranchResult(enum.Enum):
     """What phase two learnt from one branch."""
+
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
 
     DONE = "done"  # committed (or rolled back, on the abort path) as decided
     UNREACHABLE = "unreachable"  # could not be told now; recovery retries
@@ -116,6 +128,10 @@ def outcome(verdict: Verdict, results: Mapping[str, BranchResult]) -> Outcome:
 
 class Action(enum.Enum):
     """What recovery does with one prepared branch a resource listed."""
+
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
 
     COMMIT = "commit"  # a COMMIT record without END names it
     ROLLBACK = "rollback"  # presumed abort: ours, not in flight, no decision

@@ -16,6 +16,10 @@ from .xid import Xid
 class Vote(enum.Enum):
     """A branch's answer to prepare. Raising an exception from ``prepare`` also votes no."""
 
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
+
     COMMIT = "commit"
     READ_ONLY = "read-only"
     ROLLBACK = "rollback"
@@ -26,6 +30,10 @@ class Outcome(enum.Enum):
 
     Do not re-order or rename: values are written into the decision log.
     """
+
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
 
     COMMITTED = "committed"
     ROLLED_BACK = "rolled-back"

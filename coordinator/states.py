@@ -12,6 +12,10 @@ from .errors import IllegalStateError
 
 
 class TxState(enum.Enum):
+    #: members are singletons compared by identity: hash them so too, in C, not through
+    #: Enum.__hash__ (a Python call on every state check and vote tally)
+    __hash__ = object.__hash__
+
     ACTIVE = "active"
     #: set_rollback_only() or a timeout: work continues to fail fast, commit will roll back
     MARKED_ROLLBACK = "marked-rollback"

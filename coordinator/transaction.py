@@ -94,6 +94,8 @@ class Transaction:
         self.reaped = False
         #: decided, and phase two handed to a background worker (``async_phase_two``)
         self.handed_off = False
+        #: (phase, seconds) measured by completion, recorded into the metrics in one go
+        self.timings: list[tuple[str, float]] = []
         #: branches told to roll back that did not confirm it: they may still hold this attempt's
         #: work (locks, messages handed out) until a later rollback or recovery reaches them
         self.unconfirmed: set[str] = set()
@@ -123,8 +125,8 @@ class Transaction:
                     f"{resource.name!r} is a last resource and {self.last_branch.resource.name!r} "
                     "already joined as one: a transaction may have at most one last resource"
                 )
-            self.runtime.register(resource)
-            xid = Xid.branch_of(self.gtrid, resource.name)
+            self.runtime.register(resource)  # validates the name, once per resource
+            xid = Xid._checked_parts(self.gtrid, resource.name)
             handle = resource.start(xid)
             branch = self.branches[resource.name] = Branch(resource, xid, handle)
             if last:
