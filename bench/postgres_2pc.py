@@ -288,6 +288,7 @@ def twopc_setup(
     parallel: bool,
     two: bool,
     last: bool = False,
+    async_phase_two: bool = False,
 ) -> Setup:
     ea, eb = env.engine(env.url_a, threads), env.engine(env.url_b, threads)
     ra, rb = PostgresResource(ea, "pg-a"), PostgresResource(eb, "pg-b", last_resource=last)
@@ -300,6 +301,7 @@ def twopc_setup(
         recovery_interval=None,
         reaper_interval=None,
         default_timeout=env.timeout,
+        async_phase_two=async_phase_two,
     )
 
     def client() -> Client:
@@ -370,6 +372,12 @@ ROWS = (
         "file-par",
         "twopc FileDecisionLog, parallel",
         lambda e, t: twopc_setup(e, t, file_log(e), parallel=True, two=True),
+        (1, 1),
+    ),
+    RowSpec(
+        "file-async",
+        "twopc FileDecisionLog, async phase two",
+        lambda e, t: twopc_setup(e, t, file_log(e), parallel=False, two=True, async_phase_two=True),
         (1, 1),
     ),
     RowSpec("sql", "twopc SqlDecisionLog, sequential", sql_setup, (1, 1)),
