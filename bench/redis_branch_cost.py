@@ -8,8 +8,10 @@ contention) it counts, per committed transaction:
 - ``scripts``: ``FCALL``/``EVALSHA`` calls among them, from the server's ``INFO commandstats``;
 - ``cpu us``: this process's CPU per transaction (``time.process_time``), the median of 5 runs.
 
-Shapes: ``1phase`` (blind ``incrby a``, ``incrby b``, ``set m``; the only participant, so one
-phase), ``1phase-rd`` (the same with reads: each ``incrby`` returns the new value), ``read``
+Shapes: ``lua`` (the reference: one ``EVALSHA`` of a script making the three writes below),
+``tx-only`` (a transaction that joins a Redis branch and writes nothing: the coordinator's share),
+``1phase`` (blind ``incrby a``, ``incrby b``, ``set m``; the only participant, so one phase),
+``1phase-rd`` (the same with reads: each ``incrby`` returns the new value), ``read``
 (``get`` of an untouched key, ``incrby a`` then ``get a``), ``2pc-2r`` (two Redis resources, one
 write each, so two phases and two branches to commit).
 
@@ -44,6 +46,13 @@ from coordinator import FileDecisionLog, TransactionManager
 from resource_managers.redis import RedisResource
 from resource_managers.throwaway import RedisServer
 
+#: the reference: Redis's own atomic way to make the three writes (as in ``redis_2pc.py``)
+LUA_APPLY = """
+redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('INCRBY', KEYS[2], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2])
+return 1
+"""
 TRIPS = [0]
 _send = Connection.send_packed_command
 
@@ -104,7 +113,18 @@ def shapes(client: redis.Redis, root: Path) -> dict[str, Callable[[int], None]]:
             tx.join(first).incrby(base + b"2a", 1)
             tx.join(second).incrby(base + b"2b", 1)
 
+    sha = client.script_load(LUA_APPLY)
+
+    def lua(n: int) -> None:
+        client.execute_command("EVALSHA", sha, 3, base + b"la", base + b"lb", base + b"lm", 1, n)
+
+    def empty(n: int) -> None:
+        with tm_blind.transaction() as tx:
+            tx.join(blind)
+
     return {
+        "lua": lua,
+        "tx-only": empty,
         "1phase": three_writes(tm_blind, blind, b"w"),
         "1phase-rd": three_writes(tm_reading, reading, b"r"),
         "read": read,

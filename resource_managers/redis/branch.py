@@ -273,6 +273,8 @@ class RedisBranch:
 
     def plan(self) -> tuple[list[bytes], list[bytes], bytes]:
         """(keys to lock, watch arguments, the packed write set) for the scripts."""
+        if not self.watches:  # blind writes: the written keys, nothing to index
+            return list(self._by_key), [], ws.pack(self.ops)
         touched = list(dict.fromkeys([*self._by_key, *self.watches]))
         index = {key: i for i, key in enumerate(touched, 1)}
         watch_args: list[bytes] = []

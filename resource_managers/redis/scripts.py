@@ -103,10 +103,12 @@ class Scripts:
         self._functions: bool | None = False if cluster else None
         self._fcall = {name: f"{self._library}_{name}" for name in NAMES}
         #: a plain client without a pinned connection: calls go straight to a pooled
-        #: connection (`resp_command`), with the client's own retry and disconnect-on-error
+        #: connection (`resp_command`), with the client's own retry and disconnect-on-error.
+        #: A client whose class overrides ``execute_command`` (instrumentation, say) keeps it
         self._direct = (
             not cluster
             and isinstance(client, redis.Redis)
+            and type(client).execute_command is redis.Redis.execute_command
             and getattr(client, "connection", None) is None
         )
 
@@ -180,12 +182,16 @@ def resp_command(parts: list[Any]) -> bytes:
     What redis-py's ``pack_command`` makes, in one ``join``: a script call has a dozen parts,
     and redis-py encodes, measures and copies each through several layers (about a third of the
     client's CPU for a one-phase commit, measured)."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        data = part if isinstance(part, bytes) else _bytes(part)
-        out += (b"$%d\r\n" % len(data), data, b"\r\n")
-    return b"".join(out)
+    return b"*%d\r\n" % len(parts) + b"".join(
+        [b"$%d\r\n%b\r\n" % (len(p), p) if type(p) is bytes else _field(p) for p in parts]
+    )
 
 
-def _bytes(part: str | int) -> bytes:
-    return part.encode() if isinstance(part, str) else b"%d" % part
+def _field(part: str | int | bytes) -> bytes:
+    if isinstance(part, str):
+        data = part.encode()
+    elif isinstance(part, int):
+        data = b"%d" % part
+    else:  # a bytes subclass, a bytearray, a memoryview
+        data = bytes(part)
+    return b"$%d\r\n%b\r\n" % (len(data), data)

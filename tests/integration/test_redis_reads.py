@@ -172,3 +172,24 @@ def test_a_single_connection_client_goes_through_the_client(redis_url: str) -> N
     finally:
         single.delete("sc")
         single.close()
+
+
+def test_a_client_that_overrides_execute_command_keeps_it(redis_url: str) -> None:
+    """Instrumentation in a subclass sees every command the branch sends."""
+    seen: list[bytes | str] = []
+
+    class Counting(redis.Redis):
+        def execute_command(self, *args: object, **options: object) -> object:
+            seen.append(args[0])  # type: ignore[arg-type]
+            return super().execute_command(*args, **options)
+
+    counting = Counting.from_url(redis_url)
+    try:
+        res = RedisResource(counting, "cache")
+        b = res.start(xid(1))
+        assert b.incrby("ov", 2) == 2
+        res.commit(xid(1), one_phase=True)
+        assert "GET" in seen and ("FCALL" in seen or "EVALSHA" in seen)
+    finally:
+        counting.delete("ov")
+        counting.close()
