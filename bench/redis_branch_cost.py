@@ -151,7 +151,7 @@ def measure(name: str, one: Callable[[int], None], client: redis.Redis, count: i
             one(n)
         cpu.append((time.process_time() - started) / count * 1e6)
     total = 5 * count
-    trips = (TRIPS[0] - 2) / total  # minus CONFIG RESETSTAT and INFO
+    trips = max(0, TRIPS[0] - 2) / total  # minus CONFIG RESETSTAT and INFO
     scripts = script_calls(client) / total
     return f"{name:<10} {trips:>6.2f} {scripts:>8.2f} {statistics.median(cpu):>8.0f}"
 
