@@ -6,12 +6,13 @@ Redis has no PREPARE, so a branch makes one out of Lua scripts, each atomic on t
   commands; reads go to the server and see the branch's own writes (`branch` says how).
 - **prepare** (one script): refuse if the branch's record says ``aborted`` (the tombstone a
   rollback leaves, so a late prepare after recovery rolled the branch back fails); check the
-  watched keys' fingerprints (SHA-1 of ``DUMP``) and the per-key locks; *validate the whole
-  write set* against the current data, simulating each command's effect on types and values, so
-  the commit script cannot fail half-way (a failing ``redis.call`` aborts a script but keeps its
-  earlier writes); then take the locks (``<prefix>lock:<key>`` = the branch's gid), stage the
-  write set in a list, mark the branch ``prepared`` and add it to the prepared sorted set. A lock
-  held by another branch makes prepare retry for up to ``lock_wait`` seconds, then vote no.
+  watched keys (SHA-1 of a string's value, or of ``DUMP``) and the per-key locks; *validate the
+  whole write set* against the current data, simulating each command's effect on types and
+  values, so the commit script cannot fail half-way (a failing ``redis.call`` aborts a script
+  but keeps its earlier writes); then take the locks (``<prefix>lock:<key>`` = the branch's
+  gid), stage the write set in a list, mark the branch ``prepared`` and add it to the prepared
+  sorted set. A lock held by another branch makes prepare retry for up to ``lock_wait``
+  seconds, then vote no.
 - **commit** (one script): ``committed`` already: nothing to do. Otherwise validate again (a
   writer that bypasses twopc may have broken a key since; then nothing is written, the locks are
   released and the outcome is a heuristic rollback), apply the staged commands in order, release
