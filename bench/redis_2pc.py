@@ -543,7 +543,8 @@ def print_targets(results: Results, thread_counts: list[int]) -> None:
             for k, ref in pairs
             if (k, threads) in results and (ref, threads) in results
         ]
-        print(f"  at {threads} thread(s): " + "; ".join(said))
+        if said:
+            print(f"  at {threads} thread(s): " + "; ".join(said))
 
 
 def write_json(path: Path, results: Results) -> None:
