@@ -27,7 +27,7 @@ import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -164,16 +164,16 @@ def pairs(mapping: Mapping[Any, Any] | Iterable[tuple[Any, Any]], what: str) -> 
 # -- the write set ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Op:
-    """One Redis write command, exactly as the commit script will run it."""
+class Op(NamedTuple):
+    """One Redis write command, exactly as the commit script will run it. A tuple: one is made
+    per buffered write, and a tuple is the cheapest immutable record Python builds."""
 
     cmd: str
     key: bytes
     args: tuple[bytes, ...] = ()
 
     def flat(self) -> list[bytes]:
-        return [self.cmd.encode(), self.key, str(len(self.args)).encode(), *self.args]
+        return [self.cmd.encode(), self.key, b"%d" % len(self.args), *self.args]
 
     def set_flags(self) -> tuple[bool, bool]:
         """(nx, xx) of a SET; its flags follow the value."""
@@ -196,12 +196,9 @@ _LENGTH = struct.Struct("<I").pack
 
 def pack(ops: Iterable[Op]) -> bytes:
     """The flat write set as one argument: each field a 4-byte little-endian length, then its
-    bytes (``decode`` in ``common.lua``). One argument instead of one per field keeps redis-py's
-    command packing, paid per argument, small."""
-    parts: list[bytes] = []
-    for item in flatten(ops):
-        parts += (_LENGTH(len(item)), item)
-    return b"".join(parts)
+    bytes (``decode`` in ``common.lua``). One argument instead of one per field keeps the
+    command the client sends, built per argument, small."""
+    return b"".join([_LENGTH(len(item)) + item for item in flatten(ops)])
 
 
 # -- the overlay --------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ class RedisBranch:
         self.gid = xid.to_gid()
         self.ops: list[Op] = []
         self._by_key: dict[bytes, list[Op]] = {}
-        self.watches: dict[bytes, bytes] = {}  # key -> fingerprint (sha1 of DUMP, or b"")
+        #: key -> its watch: b"S" + SHA-1 of a string's value, SHA-1 of its DUMP, or b"" (missing)
+        self.watches: dict[bytes, bytes] = {}
         self._bases: dict[bytes, Base] = {}  # what was read of watched keys
         self.doomed: str | None = None  # why prepare must vote no, found before prepare
         self.phase = ACTIVE
@@ -273,6 +274,8 @@ class RedisBranch:
 
     def plan(self) -> tuple[list[bytes], list[bytes], bytes]:
         """(keys to lock, watch arguments, the packed write set) for the scripts."""
+        if not self.watches:  # blind writes: the written keys, nothing to index
+            return list(self._by_key), [], ws.pack(self.ops)
         touched = list(dict.fromkeys([*self._by_key, *self.watches]))
         index = {key: i for i, key in enumerate(touched, 1)}
         watch_args: list[bytes] = []

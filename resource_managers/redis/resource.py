@@ -6,12 +6,13 @@ Redis has no PREPARE, so a branch makes one out of Lua scripts, each atomic on t
   commands; reads go to the server and see the branch's own writes (`branch` says how).
 - **prepare** (one script): refuse if the branch's record says ``aborted`` (the tombstone a
   rollback leaves, so a late prepare after recovery rolled the branch back fails); check the
-  watched keys' fingerprints (SHA-1 of ``DUMP``) and the per-key locks; *validate the whole
-  write set* against the current data, simulating each command's effect on types and values, so
-  the commit script cannot fail half-way (a failing ``redis.call`` aborts a script but keeps its
-  earlier writes); then take the locks (``<prefix>lock:<key>`` = the branch's gid), stage the
-  write set in a list, mark the branch ``prepared`` and add it to the prepared sorted set. A lock
-  held by another branch makes prepare retry for up to ``lock_wait`` seconds, then vote no.
+  watched keys (SHA-1 of a string's value, or of ``DUMP``) and the per-key locks; *validate the
+  whole write set* against the current data, simulating each command's effect on types and
+  values, so the commit script cannot fail half-way (a failing ``redis.call`` aborts a script
+  but keeps its earlier writes); then take the locks (``<prefix>lock:<key>`` = the branch's
+  gid), stage the write set in a list, mark the branch ``prepared`` and add it to the prepared
+  sorted set. A lock held by another branch makes prepare retry for up to ``lock_wait``
+  seconds, then vote no.
 - **commit** (one script): ``committed`` already: nothing to do. Otherwise validate again (a
   writer that bypasses twopc may have broken a key since; then nothing is written, the locks are
   released and the outcome is a heuristic rollback), apply the staged commands in order, release
@@ -55,6 +56,7 @@ What a branch does **not** protect against:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import re
@@ -216,12 +218,30 @@ class RedisResource:
     def read_now(self, key: bytes, query: Query) -> Any:
         """One plain read (GET, HGET, SISMEMBER) of a key the branch has not touched."""
         kind, arg = query
-        command = {"S": ("GET", key), "F": ("HGET", key, arg), "M": ("SISMEMBER", key, arg)}[kind]
+        command = {"S": ["GET", key], "F": ["HGET", key, arg], "M": ["SISMEMBER", key, arg]}[kind]
         with self._errors("reading " + repr(key)):
-            return self.client.execute_command(*command, **{NEVER_DECODE: []})
+            return self._scripts.command(command)
 
     def read_facts(self, key: bytes, queries: list[Query], fingerprint: bool) -> tuple[Base, bytes]:
-        """The key's type and ``queries`` at one instant, with its fingerprint if asked."""
+        """The key's type and ``queries`` at one instant, with its fingerprint if asked.
+
+        A string key (or a missing one) asked for its value at most, the common case of
+        ``incrby``, ``get`` and ``watch``, is read with one plain ``GET``, and its fingerprint
+        is the value's (`value_fingerprint`), which the scripts check with ``GET`` too. Any
+        other type answers ``GET`` with ``WRONGTYPE``; it is then read by the ``read`` script,
+        fingerprinted by ``DUMP``."""
+        if not queries or queries == [ws.STRING]:
+            try:
+                with self._errors("reading " + repr(key)):
+                    value = self._scripts.command(["GET", key])
+            except rex.ResponseError as exc:
+                if not str(exc).startswith("WRONGTYPE"):
+                    raise
+            else:
+                if value is None:
+                    return Base("none", {ws.STRING: None}), b""
+                seen = value_fingerprint(value) if fingerprint else b""
+                return Base("string", {ws.STRING: bytes(value)}), seen
         args: list[bytes | str | int] = [b"1" if fingerprint else b"0"]
         for kind, arg in queries:
             args += [kind.encode(), arg]
@@ -525,8 +545,11 @@ class RedisResource:
             self._branches.pop(branch.xid, None)
 
     def _run(self, script: str, keys: list[bytes], args: list[Any], doing: str) -> Any:
-        with self._errors(doing):
+        try:
             return self._scripts.run(script, keys, args)
+        except Exception:
+            with self._errors(doing):  # the server's address is looked up only on an error
+                raise
 
     def _errors(self, doing: str) -> contextlib.AbstractContextManager[None]:
         return _errors.translated(self._name, self._where(), doing)
@@ -563,6 +586,13 @@ def _fact(query: Query, value: Any) -> Any:
     if kind in "LN":
         return int(value or 0)
     return None if value is None else bytes(value)
+
+
+def value_fingerprint(value: bytes) -> bytes:
+    """A watch on a string key as its value read by ``GET``: ``S`` and the value's SHA-1 (hex).
+    ``unchanged`` in ``common.lua`` compares it with the key's value then; a ``DUMP``
+    fingerprint is bare hex and a missing key's is empty, so the three never mix."""
+    return b"S" + hashlib.sha1(value, usedforsecurity=False).hexdigest().encode()
 
 
 def _gtrid(gid: bytes) -> str:

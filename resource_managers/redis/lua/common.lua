@@ -46,11 +46,40 @@ local function fingerprint(key)
   return ''
 end
 
+-- a watch holds: the key is as it was when the branch read it. A watch is 'S' and the SHA-1
+-- of a string's value (read by GET: the client's cheap read), or the SHA-1 of the key's DUMP
+-- (any type), or '' for a key that did not exist
+local function unchanged(key, want)
+  if string.byte(want, 1) == 83 then -- 'S'
+    return redis.call('TYPE', key)['ok'] == 'string'
+      and 'S' .. redis.sha1hex(redis.call('GET', key)) == want
+  end
+  return fingerprint(key) == want
+end
+
 -- KEYS[base + 1 .. base + n] must be the lock keys of KEYS[base + n + 1 .. base + 2n]
 local function check_layout(base, n, prefix)
   if n == nil or #KEYS ~= base + 2 * n then return 'wrong number of keys' end
   for i = 1, n do
     if KEYS[base + i] ~= prefix .. 'lock:' .. KEYS[base + n + i] then return 'lock key mismatch' end
+  end
+  return nil
+end
+
+-- the first of the data keys whose lock (KEYS[base + 1 .. base + n]) another branch holds:
+-- (data key, owner), or nil. One EXISTS per chunk answers the common case, no lock at all
+local function other_lock(base, n, gid)
+  local any = false
+  for i = base + 1, base + n, CHUNK do
+    if redis.call('EXISTS', unpack(KEYS, i, math.min(i + CHUNK - 1, base + n))) > 0 then
+      any = true
+      break
+    end
+  end
+  if not any then return nil end
+  for i = 1, n do
+    local owner = redis.call('GET', KEYS[base + i])
+    if owner and owner ~= gid then return KEYS[base + n + i], owner end
   end
   return nil
 end
@@ -394,7 +423,7 @@ end
 local function changed_watch(p, count, data)
   for _ = 1, count do
     local key = KEYS[data + tonumber(ARGV[p])]
-    if key == nil or fingerprint(key) ~= ARGV[p + 1] then return key or 'invalid watch index' end
+    if key == nil or not unchanged(key, ARGV[p + 1]) then return key or 'invalid watch index' end
     p = p + 2
   end
   return nil

@@ -13,10 +13,8 @@ local bad = check_layout(1, n, prefix)
 if bad then return {'BAD', bad} end
 local changed = changed_watch(6, watches, 1 + n)
 if changed then return {'CHANGED', changed} end
-for i = 1, n do
-  local owner = redis.call('GET', KEYS[1 + i])
-  if owner and owner ~= gid then return {'LOCKED', KEYS[1 + n + i], owner} end
-end
+local locked, owner = other_lock(1, n, gid)
+if locked then return {'LOCKED', locked, owner} end
 local packed = 6 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end

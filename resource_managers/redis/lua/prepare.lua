@@ -12,10 +12,8 @@ local bad = check_layout(3, n, prefix)
 if bad then return {'BAD', bad} end
 local changed = changed_watch(5, watches, 3 + n)
 if changed then return {'CHANGED', changed} end
-for i = 1, n do
-  local owner = redis.call('GET', KEYS[3 + i])
-  if owner and owner ~= gid then return {'LOCKED', KEYS[3 + n + i], owner} end
-end
+local locked, owner = other_lock(3, n, gid)
+if locked then return {'LOCKED', locked, owner} end
 local packed = 5 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
