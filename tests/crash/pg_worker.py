@@ -130,6 +130,7 @@ def open_manager(args: argparse.Namespace, *, recover_on_start: bool) -> Transac
         recovery_interval=None,
         reaper_interval=None,
         recover_on_start=recover_on_start,
+        async_phase_two=args.async_phase_two,
     )
 
 
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=("run", "recover", "bank", "serve"))
     parser.add_argument("--db", type=database, action="append", default=[])
     parser.add_argument("--last", default=None, help="the --db that is a logging last resource")
+    parser.add_argument(
+        "--async-phase-two", action="store_true", help="phase two on a background worker"
+    )
     parser.add_argument("--log", default="", help="file:DIR or sql:URL")
     parser.add_argument("--node", default=NODE_ID)
     parser.add_argument("--plan", default="2pc,2pc,2pc")

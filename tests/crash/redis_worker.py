@@ -119,6 +119,7 @@ def open_manager(args: argparse.Namespace, *, recover_on_start: bool) -> Transac
         recovery_interval=args.recovery_interval,
         reaper_interval=None,
         recover_on_start=recover_on_start,
+        async_phase_two=args.async_phase_two,
     )
 
 
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ledger", action="store_true", help="a third branch, c, on Redis")
     parser.add_argument("--blind", action="store_true", help="b buffers blind writes")
     parser.add_argument("--last", choices=("a",), default=None, help="a is a last resource")
+    parser.add_argument(
+        "--async-phase-two", action="store_true", help="phase two on a background worker"
+    )
     parser.add_argument("--lock-wait", type=float, default=2.0)
     parser.add_argument("--log", default="", help="file:DIR or sql:URL")
     parser.add_argument("--node", default=NODE_ID)

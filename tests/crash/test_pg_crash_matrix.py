@@ -496,7 +496,8 @@ def test_pg_crash_point(
     opening = shared.dbs.open_accounts(("a", "b"), [account])
     segment = ["--segment-bytes", str(scenario.segment_bytes)] if scenario.segment_bytes else []
     last = ["--last", scenario.last] if scenario.last else []
-    common = [*shared.dbs.args(), "--node", node, *segment, *last]
+    asynchronous = ["--async-phase-two"] if scenario.asynchronous else []
+    common = [*shared.dbs.args(), "--node", node, *segment, *last, *asynchronous]
 
     plan = ["--plan", ",".join(scenario.plan), "--account", str(account)]
     first = forks.run(
@@ -508,7 +509,7 @@ def test_pg_crash_point(
     report = recovered(forks, [*common, *log.args()])
 
     states = shared.dbs.read(node, [account])
-    transcript = Transcript.parse(first.stdout)
+    transcript = Transcript.parse(first.stdout, asynchronous=scenario.asynchronous)
     ended, problems = invariants(
         states, transcript, scenario.expect, opening, log.pending(report, node)
     )

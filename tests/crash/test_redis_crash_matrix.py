@@ -252,13 +252,20 @@ class Setup:
 
 
 def check(
-    setup: Setup, account: int, first: str, expect: str | None, report: dict[str, Any]
+    setup: Setup,
+    account: int,
+    first: str,
+    expect: str | None,
+    report: dict[str, Any],
+    *,
+    asynchronous: bool = False,
 ) -> tuple[str, list[str]]:
     """(how the interrupted transaction ended, every broken invariant)."""
     states, residue = setup.read([account])
     opening = {"a": {account: OPENING}, "b": {account: OPENING}}
     pending = list(report["pending_after"]) + pending_decisions(setup.log_dir)
-    ended, problems = invariants(states, Transcript.parse(first), expect, opening, pending)
+    transcript = Transcript.parse(first, asynchronous=asynchronous)
+    ended, problems = invariants(states, transcript, expect, opening, pending)
     return ended, problems + residue
 
 
@@ -351,7 +358,8 @@ def test_redis_crash_point(
     setup.open_account(account)
     segment = ["--segment-bytes", str(scenario.segment_bytes)] if scenario.segment_bytes else []
     last = ["--last", "a"] if scenario.last else []  # the PostgreSQL branch; b and c prepare
-    common = [*setup.args(), *segment, *last]
+    asynchronous = ["--async-phase-two"] if scenario.asynchronous else []
+    common = [*setup.args(), *segment, *last, *asynchronous]
 
     plan = ["--plan", ",".join(scenario.plan), "--account", str(account)]
     first = forks.run(["run", *common, *plan], scenario.first or scenario.point)
@@ -360,7 +368,9 @@ def test_redis_crash_point(
         killed_at(forks.run(["recover", *common], scenario.point), scenario.point)
     report = recovered(forks, common)
 
-    ended, problems = check(setup, account, first.stdout, scenario.expect, report)
+    ended, problems = check(
+        setup, account, first.stdout, scenario.expect, report, asynchronous=scenario.asynchronous
+    )
     if scenario.last:
         problems += decision_rows_left(setup.pg, setup.node)
     crash_matrix.add(
