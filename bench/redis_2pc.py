@@ -297,9 +297,14 @@ def sa_pair_setup(bench: Bench, threads: int, ledger: Ledger) -> Setup:
     return Setup(client, close)
 
 
-def two_phase_setup(bench: Bench, threads: int, ledger: Ledger, parallel: bool) -> Setup:
+def two_phase_setup(
+    bench: Bench, threads: int, ledger: Ledger, parallel: bool, last: bool = False
+) -> Setup:
+    """PostgreSQL and Redis in one transaction; ``last``: PostgreSQL is the logging last
+    resource (Redis prepares, PostgreSQL commits with the decision row, Redis commits)."""
     r, engine = bench.redis(), bench.engine(threads)
-    db, cache = PostgresResource(engine, "pg"), ledger.redis_resource(r, blind=True)
+    db = PostgresResource(engine, "pg", last_resource=last)
+    cache = ledger.redis_resource(r, blind=True)
     tm = bench.manager([db, cache], parallel=parallel)
 
     def client() -> Client:
@@ -358,6 +363,13 @@ ROWS = (
         1,
     ),
     RowSpec(
+        "2pc-llr",
+        "twopc PG (last resource) + Redis",
+        lambda b, t, led: two_phase_setup(b, t, led, parallel=False, last=True),
+        "pair",
+        1,
+    ),
+    RowSpec(
         "2pc-par",
         "twopc PG + Redis, file log, parallel",
         lambda b, t, led: two_phase_setup(b, t, led, parallel=True),
@@ -374,6 +386,7 @@ TARGETS: tuple[tuple[str, str, int | None, float], ...] = (
     ("1phase", "lua", 8, 0.6),
     ("1phase-rd", "lua", 1, 0.6),
     ("2pc", "pair", None, 0.8),
+    ("2pc-llr", "pair", None, 0.8),
     ("2pc-par", "pair", None, 0.8),
 )
 #: (row, at most this client CPU per transaction in microseconds, at every thread count)
