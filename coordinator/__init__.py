@@ -33,6 +33,7 @@ from .errors import (
     TransactionRolledBack,
     TransactionTimedOut,
     TransientError,
+    UnreplayableRecordError,
 )
 from .manager import InDoubt, TransactionManager, current
 from .recovery import RecoveryReport
@@ -78,6 +79,7 @@ __all__ = [
     "TransactionTimedOut",
     "TransientError",
     "TxState",
+    "UnreplayableRecordError",
     "Vote",
     "Xid",
     "current",

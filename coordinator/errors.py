@@ -129,6 +129,20 @@ class LogCorruptionError(LogError):
     code = "log-corrupt"
 
 
+class UnreplayableRecordError(LogCorruptionError):
+    """A record that passed its checksum but that its owner cannot apply on replay (it does not
+    decode, or applying it fails). Attributes ``path``, ``segment``, ``offset``, ``record`` (the
+    start of the payload, printable) and ``reason``. Nothing was changed on disk; ``twopc journal
+    quarantine`` moves the record aside."""
+
+    code = "log-unreplayable"
+    path: str
+    segment: int
+    offset: int
+    record: str
+    reason: str
+
+
 class LogLockedError(LogError):
     """Another live manager holds this log directory."""
 

@@ -23,12 +23,15 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import TracebackType
 
-from coordinator.errors import ConfigurationError, FrameError
+from coordinator.errors import ConfigurationError, FrameError, TransactionError
 
 from .auth import HANDSHAKE_TIMEOUT, Peer, SharedSecret, client_handshake, server_handshake
 from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, encode
 
 log = logging.getLogger("twopc.connection")
+
+#: the stats key counting defects (``internal-error``: a non-twopc exception in a handler)
+INTERNAL_ERRORS = "internal_errors"
 
 Address = tuple[str, int]
 
@@ -158,7 +161,9 @@ class Listener:
     """Accepts connections on ``address`` and serves each in its own thread: TLS, handshake
     (only the roles in ``handlers`` are admitted), then ``handlers[role](connection)``, which
     owns the connection until it returns. A handler's `FrameError` or `OSError` closes that
-    connection (counted in ``stats``); anything else is logged as a bug and closes it too."""
+    connection (counted in ``stats``); another twopc error is sent as its code (``error_<code>``
+    counted) and closes it; anything else is a defect: ``internal-error``, its traceback logged,
+    counted as ``internal_errors``."""
 
     def __init__(
         self,
@@ -249,8 +254,13 @@ class Listener:
         except (OSError, ssl.SSLError) as exc:
             self.stats["connection_errors"] += 1
             log.info("connection from %s ended: %s", peer_address, exc)
-        except Exception:
-            self.stats["handler_errors"] += 1
+        except TransactionError as exc:  # a documented refusal (a journal that cannot write...)
+            self.stats[f"error_{exc.code}"] += 1
+            log.error("closing connection from %s: %s", peer_address, exc)
+            if conn is not None:
+                conn.refuse(exc.code, exc.message[:500])
+        except Exception:  # a defect: the one place a traceback is logged, and counted
+            self.stats[INTERNAL_ERRORS] += 1
             log.exception("handler failed for %s", peer_address)
             if conn is not None:
                 conn.refuse("internal-error", "the server failed; see its log")

@@ -34,7 +34,7 @@ from resource_managers.message_log import (
 from resource_managers.sequencing import DoublingBackoff
 
 from .auth import SharedSecret
-from .connection import Address, Connection, Handler, Listener, connect
+from .connection import INTERNAL_ERRORS, Address, Connection, Handler, Listener, connect
 from .remote import CONSUMER_ROLE, PRODUCER_ROLE, ConsumerService, ProducerService
 from .topics import DEFAULT_DISPATCH_WORKERS, TopicDispatcher
 from .transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
@@ -78,9 +78,10 @@ class LogServer:
 
         self.transfer = LogTransfer(self.mlog, dial, resend=resend, streams=streams)
         self.listener: Listener | None = None
+        self.service = ProducerService(self.mlog)
         try:
             if listen is not None:
-                handlers = {PRODUCER_ROLE: ProducerService(self.mlog)}
+                handlers = {PRODUCER_ROLE: self.service}
                 self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
         except BaseException:
             self.mlog.close()
@@ -89,6 +90,12 @@ class LogServer:
     @property
     def address(self) -> Address | None:
         return None if self.listener is None else self.listener.address
+
+    @property
+    def internal_errors(self) -> int:
+        """Defects met while serving (``internal-error`` sent, traceback logged); 0 is healthy."""
+        listener = 0 if self.listener is None else self.listener.stats[INTERNAL_ERRORS]
+        return listener + self.service.stats[INTERNAL_ERRORS]
 
     def start(self) -> LogServer:
         self.transfer.start()
@@ -142,9 +149,10 @@ class CursorServer:
             self.topics = (
                 TopicDispatcher(self.cursor, dispatch_workers) if dispatch_workers > 0 else None
             )
+            self.service = ConsumerService(self.cursor, max_deliveries)
             handlers: dict[str, Handler] = {
                 TRANSFER_ROLE: self.receiver,
-                CONSUMER_ROLE: ConsumerService(self.cursor, max_deliveries),
+                CONSUMER_ROLE: self.service,
             }
             self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
         except BaseException:
@@ -154,6 +162,11 @@ class CursorServer:
     @property
     def address(self) -> Address:
         return self.listener.address
+
+    @property
+    def internal_errors(self) -> int:
+        """Defects met while serving (``internal-error`` sent, traceback logged); 0 is healthy."""
+        return self.listener.stats[INTERNAL_ERRORS] + self.service.stats[INTERNAL_ERRORS]
 
     def start(self) -> CursorServer:
         """Start the topic dispatcher (its recovery runs first, on its own thread), then serve."""

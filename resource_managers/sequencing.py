@@ -376,6 +376,17 @@ class StreamSender:
                 relinked = False
         return gone
 
+    def withdraw(self, seq: int) -> bool:
+        """Take message ``seq`` out of the window unacknowledged (the receiver refused it), as
+        `expire` would: the message after it is relinked to the one before and, if it was sent,
+        is due at once. False if ``seq`` is not in the window."""
+        if self._window.pop(seq, None) is None:
+            return False
+        following = next((p for s, p in self._window.items() if s > seq), None)
+        if following is not None and following.sent:
+            following.due_at = -math.inf
+        return True
+
     def due_for_resend(
         self, now: float, limit: int | None = None, max_in_flight: int | None = None
     ) -> list[Frame]:

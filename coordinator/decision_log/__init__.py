@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._base import Decision, DecisionLog, HeuristicRecord, LogStats
-from ._file import FileDecisionLog
+from ._file import FileDecisionLog, journal_replay
 from ._inspect import inspect_log
 from ._memory import MemoryDecisionLog
 
@@ -15,4 +15,5 @@ __all__ = [
     "LogStats",
     "MemoryDecisionLog",
     "inspect_log",
+    "journal_replay",
 ]

@@ -103,6 +103,13 @@ def _branches(obj: dict[str, Any]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def journal_replay() -> Callable[[bytes], None]:
+    """What opening a file decision log does with each journal record, into a fresh state
+    (read-only: for `coordinator.journal.quarantine`, which must judge records as an open would)."""
+    state = LogState()
+    return lambda payload: state.apply(decode(payload))
+
+
 class FileDecisionLog:
     """Decisions in a journal directory (created owner-only if missing), locked to this process.
 

@@ -11,11 +11,13 @@ from ._framing import MAX_RECORD_BYTES, SegmentHeader
 from ._gate import Gate
 from ._group_commit import Ticket
 from ._journal import DEFAULT_SEGMENT_BYTES, Journal, JournalStats
+from ._quarantine import QUARANTINE_DIR, Quarantined, find_unreplayable, quarantine
 from ._segment import Damage, SegmentReader, list_segments, read_current
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "MAX_RECORD_BYTES",
+    "QUARANTINE_DIR",
     "Compaction",
     "Damage",
     "FileOps",
@@ -23,9 +25,12 @@ __all__ = [
     "Journal",
     "JournalStats",
     "OsFileOps",
+    "Quarantined",
     "SegmentHeader",
     "SegmentReader",
     "Ticket",
+    "find_unreplayable",
     "list_segments",
+    "quarantine",
     "read_current",
 ]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.errors import LogCorruptionError
+from coordinator.errors import TransactionError, UnreplayableRecordError
 
 from ._fileops import FileOps, create_file, fsync_dir, replace_file
 from ._framing import FRAME_HEADER_SIZE, SegmentHeader, corruption, encode_frame
@@ -132,13 +132,28 @@ def _replay_segment(
     for offset, payload in frames:
         try:
             replay(payload)
-        except LogCorruptionError as exc:
-            raise corruption(str(path), offset, f"record rejected: {exc.message}") from exc
+        except Exception as exc:  # whatever the owner raises: this record stops the open
+            raise unreplayable(path, seq, offset, payload, exc) from exc
     damage = reader.damage
     if damage is not None and not (last and damage.torn):
         where = "" if last else " (not the last segment, where no write can have been cut short)"
         raise corruption(str(path), damage.offset, damage.describe() + where)
     return damage, reader.end
+
+
+def unreplayable(
+    path: Path, seq: int, offset: int, payload: bytes, exc: Exception
+) -> UnreplayableRecordError:
+    """The error naming a record the owner's replay refused: where it is, what it holds, why,
+    and the command that moves it aside."""
+    reason = exc.message if isinstance(exc, TransactionError) else f"{type(exc).__name__}: {exc}"
+    record = payload[:200].decode("ascii", "backslashreplace")
+    return UnreplayableRecordError(
+        f"journal record cannot be replayed: {path} (segment {seq}) at offset {offset}: "
+        f"{reason}; record {record!r}; no file was changed. Move it aside with `twopc journal "
+        f"quarantine --dir {path.parent} --segment {seq} --offset {offset} --kind KIND`",
+        path=str(path), segment=seq, offset=offset, record=record, reason=reason,
+    )  # fmt: skip
 
 
 def _cut_torn_tail(ops: FileOps, path: Path, damage: Damage | None) -> int:

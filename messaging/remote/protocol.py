@@ -54,6 +54,7 @@ from resource_managers.message_log import (
     DestinationFullError,
     InvalidMessageError,
     Message,
+    check_message,
     new_message,
 )
 
@@ -65,7 +66,6 @@ MAX_RECEIVE_WAIT = 30.0
 MAX_RECEIVE_BATCH = 10_000
 #: the most message ids one replay or purge of dead letters names
 MAX_ADMIN_IDS = 100_000
-_MAX_MESSAGE_ID = 128
 
 
 class RemoteError(TransactionError):
@@ -257,9 +257,8 @@ def message_from_value(v: Value) -> Message:
         raise _bad(f"a message has the keys id, destination, body, headers, persistent, "
                    f"expires_at; got {sorted(v)}")  # fmt: skip
     mid = v["id"]
-    if not (isinstance(mid, str) and 0 < len(mid) <= _MAX_MESSAGE_ID and mid.isascii()
-            and mid.isprintable()):  # fmt: skip
-        raise _bad(f"message id must be 1-{_MAX_MESSAGE_ID} printable ASCII characters")
+    if not isinstance(mid, str):
+        raise _bad("message id must be a string")
     expires = v["expires_at"]
     if expires is not None and (isinstance(expires, bool) or not isinstance(expires, int)):
         raise _bad("message expires_at must be an integer (ms) or None")
@@ -270,7 +269,7 @@ def message_from_value(v: Value) -> Message:
         v["destination"], body=v["body"], headers=v["headers"], persistent=persistent,
         ttl=None, now_ms=0,
     )  # fmt: skip
-    return dataclasses.replace(checked, message_id=mid, expires_at=expires)
+    return check_message(dataclasses.replace(checked, message_id=mid, expires_at=expires))
 
 
 def delivery_to_value(d: Delivery) -> dict[str, Value]:

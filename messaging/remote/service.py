@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -65,7 +66,7 @@ from coordinator.errors import (
 )
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid, is_sub_branch_of
-from messaging.connection import Connection
+from messaging.connection import INTERNAL_ERRORS, Connection
 from messaging.frames import FrameType, Ping, Pong, Value, XaReply, XaRequest
 from resource_managers.cursor import (
     DEFAULT_MAX_DELIVERIES,
@@ -74,11 +75,11 @@ from resource_managers.cursor import (
     CursorResource,
 )
 from resource_managers.message_log import (
-    InvalidMessageError,
     Message,
     MessageLog,
     MessageLogResource,
     ProducerBranch,
+    check_message,
 )
 
 from .admin import CursorAdmin
@@ -128,6 +129,8 @@ class _Service(Generic[R]):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._resources: dict[str, R] = {}
+        #: ``internal_errors``: requests that failed with a non-twopc exception (a defect)
+        self.stats: Counter[str] = Counter()
 
     def _make(self, name: str) -> R:
         raise NotImplementedError
@@ -177,6 +180,7 @@ class _Service(Generic[R]):
             result = handler(self.resource(rm), request.xid, request.args, opened)
         except Exception as exc:
             if not isinstance(exc, TransactionError):
+                self.stats[INTERNAL_ERRORS] += 1
                 log.exception("%s request %s failed", self.role, request.verb.name)
             return error_reply(request.request_id, exc)
         return XaReply(request.request_id, "ok", result)
@@ -203,7 +207,10 @@ class _Service(Generic[R]):
         opened.pop(xid, None)
         try:
             self.resource(xid.bqual).rollback(xid)
+        except TransactionError as exc:
+            log.error("rollback of abandoned branch %s failed: %s", xid, exc)
         except Exception:
+            self.stats[INTERNAL_ERRORS] += 1
             log.exception("rollback of abandoned branch %s failed", xid)
 
     def _verbs(self) -> Mapping[FrameType, Callable[[R, Any, Mapping[str, Value], Open], Result]]:
@@ -268,12 +275,7 @@ class ProducerService(_Service[MessageLogResource]):
         return branch
 
     def _stage(self, branch: ProducerBranch, message: Message) -> None:
-        limit = self.mlog.max_message_bytes
-        if message.size > limit:
-            raise InvalidMessageError(
-                f"message of {message.size} bytes (body and headers) exceeds the limit of "
-                f"{limit}; nothing was staged"
-            )
+        check_message(message, max_bytes=self.mlog.max_message_bytes)
         staged = sum(1 for m in branch.messages if m.destination == message.destination)
         self.mlog.check_room(message.destination, staged + 1)
         branch.messages.append(message)

@@ -26,6 +26,7 @@ from resource_managers.sequencing import Frame
 from ..connection import Connection
 from ..frames import Ack, ErrorFrame, Msg, Nack, Ping, Pong
 from ..frames import Frame as WireFrame
+from .sender import INVALID_MESSAGE
 from .wire import from_wire
 
 log = logging.getLogger("twopc.transfer")
@@ -91,4 +92,4 @@ class TransferReceiver:
         except InvalidMessageError as exc:
             self.stats["refused"] += 1
             log.error("refusing message %s of %s: %s", msg.message_id, msg.stream, exc)
-            replies.append(Nack(msg.stream, msg.epoch, msg.seq, "invalid-message", str(exc)[:500]))
+            replies.append(Nack(msg.stream, msg.epoch, msg.seq, INVALID_MESSAGE, str(exc)[:500]))

@@ -34,7 +34,7 @@ from types import TracebackType
 
 from coordinator.backoff import Backoff, ExponentialBackoff
 from coordinator.crashpoints import crash_point
-from coordinator.errors import FrameError
+from coordinator.errors import FrameError, LogError
 from resource_managers.message_log import MessageLog
 from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
 
@@ -47,6 +47,8 @@ log = logging.getLogger("twopc.transfer")
 
 #: the role a log authenticates with at a cursor's listener
 TRANSFER_ROLE = "transfer"
+#: the NACK reason of a message the cursor will never accept (see `TransferReceiver`)
+INVALID_MESSAGE = "invalid-message"
 
 
 class LogTransfer:
@@ -307,16 +309,42 @@ class LogTransfer:
         elif isinstance(frame, Pong):
             pass
         elif isinstance(frame, Nack):
-            self.stats["nacks"] += 1
-            log.error(
-                "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in "
-                "the log and is resent",
-                self.name, frame.seq, frame.stream, frame.epoch, frame.reason, frame.detail,
-            )  # fmt: skip
+            self._on_nack(frame)
         elif isinstance(frame, ErrorFrame):
             raise ConnectionAbortedError(f"the cursor closes: {frame.code} {frame.message}")
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
+
+    def _on_nack(self, nack: Nack) -> None:
+        """``invalid-message``: the cursor will refuse every resend, and the stream cannot move
+        past it, so the log keeps the message in ``refused/`` (durably) and takes it out of the
+        stream; the next message is relinked past it. Any other reason, or a message this
+        transfer no longer holds, is logged and changes nothing (the message stays and is
+        resent with back-off)."""
+        self.stats["nacks"] += 1
+        with self._lock:
+            sender = self._senders.get(nack.stream)
+            mine = sender is not None and sender.epoch == nack.epoch and nack.seq in sender.window
+        kept = None
+        if mine and nack.reason == INVALID_MESSAGE:
+            try:
+                kept = self.mlog.refuse(nack.stream, nack.epoch, nack.seq, nack.detail)
+            except (OSError, LogError) as exc:
+                log.error("%s: cannot keep refused message %d of %s: %s; it is resent",
+                          self.name, nack.seq, nack.stream, exc)  # fmt: skip
+        if kept is None or sender is None:
+            log.error(
+                "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in the "
+                "log", self.name, nack.seq, nack.stream, nack.epoch, nack.reason, nack.detail,
+            )  # fmt: skip
+            return
+        with self._lock:
+            sender.withdraw(nack.seq)
+        self.stats["refused"] += 1
+        log.error(
+            "%s: the cursor refused message %d of %s (epoch %d): %s; kept in %s and taken out "
+            "of the stream", self.name, nack.seq, nack.stream, nack.epoch, nack.detail, kept,
+        )  # fmt: skip
 
     def _on_ack(self, ack: Ack) -> None:
         with self._lock:

@@ -6,11 +6,14 @@ sender and the cursor's receiver cannot disagree about it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
+
 from coordinator.errors import FrameError
-from resource_managers.message_log import InvalidMessageError, Message, validate_destination
+from resource_managers.message_log import InvalidMessageError, Message, check_message
 from resource_managers.sequencing import Frame
 
-from ..frames import Msg
+from ..frames import Msg, Value
 
 
 def to_wire(frame: Frame, message: Message) -> Msg:
@@ -29,26 +32,31 @@ def to_wire(frame: Frame, message: Message) -> Msg:
 
 
 def from_wire(msg: Msg) -> tuple[Frame, Message]:
-    """The numbers (impossible ones raise `FrameError`: drop the connection) and the message
-    (one no log could have written raises `InvalidMessageError`: refuse it, keep the
-    connection)."""
+    """The numbers (impossible ones raise `FrameError`: drop the connection) and the message,
+    judged by the check every producer's message passes (`check_message`: one no log could have
+    written raises `InvalidMessageError`: refuse it, keep the connection)."""
     frame = Frame(msg.stream, msg.epoch, msg.seq, msg.prev, msg.message_id)
-    headers = dict(msg.headers)
-    if not all(isinstance(v, str) for v in headers.values()):
-        raise InvalidMessageError(f"message {msg.message_id}: header values must be strings")
     expires = msg.expires_at_ms
     if expires is not None and expires < 0:
         raise FrameError(f"message {msg.message_id}: negative expiry {expires}")
-    message = Message(
-        msg.message_id,
-        validate_destination(msg.destination),
-        msg.body,
-        {k: str(v) for k, v in headers.items()},
-        msg.persistent,
-        expires,
+    message = check_message(
+        Message(
+            msg.message_id,
+            msg.destination,
+            msg.body,
+            _unchecked(msg.headers),
+            msg.persistent,
+            expires,
+        )
     )
     if message.stream != frame.stream:
         raise InvalidMessageError(
             f"message {msg.message_id} for {message.stream!r} arrived on stream {frame.stream!r}"
         )
     return frame, message
+
+
+def _unchecked(headers: Mapping[str, Value]) -> dict[str, str]:
+    """The frame's headers as `Message` types them; `check_message` then refuses any that are
+    not text (a frame's map may hold any value)."""
+    return cast("dict[str, str]", dict(headers))

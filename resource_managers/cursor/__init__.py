@@ -12,6 +12,7 @@ from ._cursor import (
     Cursor,
     CursorStats,
     Delivery,
+    journal_replay,
 )
 from ._records import DLQ_SUFFIX
 from ._state import NACK_HEADER
@@ -42,6 +43,7 @@ __all__ = [
     "TopicPublication",
     "is_subscription_queue",
     "is_topic",
+    "journal_replay",
     "subscription_name",
     "subscription_queue",
     "validate_topic",

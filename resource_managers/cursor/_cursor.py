@@ -51,7 +51,12 @@ from coordinator.journal import (
     Journal,
     Ticket,
 )
-from resource_managers.message_log import VOLATILE_SUFFIX, Message, validate_destination
+from resource_managers.message_log import (
+    VOLATILE_SUFFIX,
+    Message,
+    check_message,
+    validate_destination,
+)
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
 
 from ._records import DLQ_SUFFIX, decode, encode, message_obj
@@ -68,6 +73,13 @@ log = logging.getLogger("twopc.cursor")
 
 DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
 DEFAULT_MAX_DELIVERIES = 5
+
+
+def journal_replay() -> Callable[[bytes], None]:
+    """What opening a cursor does with each journal record, into a fresh state (read-only: for
+    `coordinator.journal.quarantine`, which must judge records exactly as an open would)."""
+    state = CursorState()
+    return lambda payload: state.apply(decode(payload))
 
 
 class BranchRolledBack(TransactionRolledBack):
@@ -187,7 +199,7 @@ class Cursor:
             raise ProgrammingError(f"accept of a {decision.verdict.value} decision")
         if frame.message_id != message.message_id:
             raise ProgrammingError(f"frame {frame.message_id} carries message {message.message_id}")
-        validate_destination(message.destination)
+        check_message(message)
         with self._stream_lock(frame.stream):
             with self._lock:
                 if self._filter.state(frame.stream) != decision.before:
@@ -214,14 +226,16 @@ class Cursor:
         covers the batch), then adopt; return one acknowledgment per stream touched. What a
         transfer reads off the wire in one go costs one fsync, not one per message.
 
-        A record that fails to write leaves the batch unadopted and unacknowledged; the journal
-        is then poisoned (nothing more is written), so no later record can contradict it."""
-        for frame, message in items:
+        Every message is checked (`check_message`) before a record is written, so an
+        `InvalidMessageError` writes nothing. A record that fails to write leaves the batch
+        unadopted and unacknowledged; the journal is then poisoned (nothing more is written),
+        so no later record can contradict it."""
+        for frame, message in items:  # the whole batch is judged before a record is written
             if frame.message_id != message.message_id:
                 raise ProgrammingError(
                     f"frame {frame.message_id} carries message {message.message_id}"
                 )
-            validate_destination(message.destination)
+            check_message(message)
         streams = sorted({frame.stream for frame, _ in items})
         with ExitStack() as stack:
             for stream in streams:

@@ -11,6 +11,7 @@ from ._log import (
     DestinationFullError,
     MessageLog,
     MessageLogStats,
+    journal_replay,
 )
 from ._records import (
     ADMIN_QUEUE_HEADER,
@@ -21,8 +22,11 @@ from ._records import (
     TOPIC_PREFIX,
     TRANSACTIONAL_HEADER,
     VOLATILE_SUFFIX,
-    InvalidMessageError,
     Message,
+)
+from ._validation import (
+    InvalidMessageError,
+    check_message,
     new_message,
     outgoing,
     validate_destination,
@@ -49,6 +53,8 @@ __all__ = [
     "MessageLogStats",
     "ProducerBranch",
     "StagingBranch",
+    "check_message",
+    "journal_replay",
     "new_message",
     "outgoing",
     "validate_destination",

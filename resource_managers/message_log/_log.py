@@ -37,12 +37,21 @@ from coordinator.errors import (
 from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
 
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
+from ._refused import keep_refused
 from ._state import LogState
+from ._validation import check_message
 
 log = logging.getLogger("twopc.message_log")
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
+
+
+def journal_replay() -> Callable[[bytes], None]:
+    """What opening a message log does with each journal record, into a fresh state (read-only:
+    for `coordinator.journal.quarantine`, which must judge records exactly as an open would)."""
+    state = LogState()
+    return lambda payload: state.apply(decode(payload))
 
 
 class BranchRolledBack(TransactionRolledBack):
@@ -167,6 +176,7 @@ class MessageLog:
         Raises `BranchRolledBack` if a rollback (recovery's, say) left its tombstone first, even
         while the record was being written: replay ignores a prepare after a tombstone, so
         voting yes then would let a commit report success for messages that do not exist."""
+        self._judge(messages)
         durable = [m for m in messages if m.persistent]
         volatile = [m for m in messages if not m.persistent]
         if durable:
@@ -178,6 +188,12 @@ class MessageLog:
                 self._volatile_prepared[gid] = volatile
             self._hold_locked(messages, +1)
 
+    def _judge(self, messages: list[Message]) -> None:
+        """Every message of a record passes `check_message` before the record is written, so a
+        record in the journal always replays (`InvalidMessageError` writes nothing)."""
+        for message in messages:
+            check_message(message, max_bytes=self.max_message_bytes)
+
     def commit(
         self, gid: str, messages: list[Message] | None = None, *, after_append: str = ""
     ) -> None:
@@ -185,6 +201,8 @@ class MessageLog:
         A gid that is neither prepared nor given messages is a repeat: nothing to do.
         ``after_append`` names the crash point between the durable record and publication."""
         one_phase = messages is not None
+        if messages is not None:
+            self._judge(messages)
         with self._lock:
             if one_phase:
                 assert messages is not None
@@ -332,6 +350,17 @@ class MessageLog:
                 self._state.apply(record)
         else:
             self._append([record], force=False)
+
+    def refuse(self, stream: str, epoch: int, seq: int, reason: str) -> Path | None:
+        """The cursor refused message ``seq`` (``NACK invalid-message``): keep it whole in
+        ``refused/`` (durable first), then drop it from its stream like an expired one. Returns
+        the kept file, or None if the log no longer holds that message (nothing to do)."""
+        message = self.get(stream, [seq]).get(seq)
+        if message is None or self.epoch(stream) != epoch:
+            return None
+        kept = keep_refused(self.directory, stream, epoch, seq, message=message, reason=reason)
+        self.drop(stream, epoch, [seq])
+        return kept
 
     def drop_expired(self, stream: str, now_ms: int | None = None) -> list[tuple[int, Message]]:
         """Remove the visible messages of ``stream`` whose ``expires_at`` has passed (a lazy

@@ -38,7 +38,8 @@ from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
 
 from ._log import BranchRolledBack, DestinationFullError, MessageLog
-from ._records import InvalidMessageError, Message, outgoing
+from ._records import Message
+from ._validation import InvalidMessageError, outgoing
 
 
 class BranchDoomed(TransactionRolledBack):

@@ -176,7 +176,7 @@ def test_a_record_that_passes_its_crc_but_not_its_schema_is_corruption(
     with Journal(tmp_path) as journal:
         journal.append(encode(commit("g1")))
         journal.append(payload)
-    with pytest.raises(LogCorruptionError, match="record rejected") as info:
+    with pytest.raises(LogCorruptionError, match="cannot be replayed") as info:
         FileDecisionLog(tmp_path)
     assert info.value.offset is not None and info.value.path.endswith(".seg")
 
