@@ -137,7 +137,7 @@ def handshake_frame(d: Draw, hello: Hello, secret: bytes) -> bytes:
         else text(d),
         "version": 1 if d.chance(0.8) else number(d),
     }  # fmt: skip
-    valid = d.chance(0.5) and all(isinstance(fields[k], str) for k in ("client_id", "role"))
+    valid = d.chance(0.6) and all(isinstance(fields[k], str) for k in ("client_id", "role"))
     fields["proof"] = transcript_proof(secret, "client", hello, fields) if valid else d.raw(40)
     if d.chance(0.05):
         fields["proof"] = transcript_proof(secret, "server", hello, fields)  # reflected
