@@ -21,6 +21,9 @@ from coordinator.journal import find_unreplayable, quarantine
 from resource_managers.cursor import journal_replay as cursor_replay
 from resource_managers.message_log import journal_replay as log_replay
 
+#: the crash point between keeping a record in ``quarantine/`` and rewriting its segment
+AFTER_KEEP = "journal.quarantine.after_keep"
+
 #: the stores on a journal, by the name ``--kind`` takes
 KINDS: dict[str, Callable[[], Callable[[bytes], None]]] = {
     "cursor": cursor_replay,
@@ -58,7 +61,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
-    moved = quarantine(args.dir, KINDS[args.kind](), args.segment, args.offset)
+    moved = quarantine(
+        args.dir, KINDS[args.kind](), args.segment, args.offset, after_keep=AFTER_KEEP
+    )
     print(f"moved aside: segment {moved.segment} offset {moved.offset} ({moved.reason})")
     print(f"record: {moved.payload[:200].decode('ascii', 'backslashreplace')}")
     print(f"kept in: {moved.kept_in}")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.crashpoints import crash_point
 from coordinator.errors import LogError, UnreplayableRecordError
 
 from ._fileops import FileOps, OsFileOps, ensure_dir, fsync_dir, replace_file
@@ -81,9 +82,12 @@ def quarantine(
     offset: int,
     *,
     file_ops: FileOps | None = None,
+    after_keep: str = "",
 ) -> Quarantined:
     """Move the record at ``segment``/``offset`` aside, if it is the first one ``replay``
-    refuses (else `LogError`, nothing changed). ``replay`` must belong to a fresh owner state."""
+    refuses (else `LogError`, nothing changed). ``replay`` must belong to a fresh owner state.
+    ``after_keep`` names the crash point between keeping the record and rewriting its segment
+    (the command line's is ``journal.quarantine.after_keep``)."""
     path = Path(directory)
     ops = file_ops or OsFileOps()
     lock_fd = acquire_lock(path, ops)
@@ -96,12 +100,14 @@ def quarantine(
                 f"segment {segment} offset {offset} is not the record {path} cannot replay: that "
                 f"is segment {found.segment} offset {found.offset}; nothing was changed"
             )
-        return _move_aside(path, ops, found)
+        return _move_aside(path, ops, found, after_keep)
     finally:
         os.close(lock_fd)
 
 
-def _move_aside(directory: Path, ops: FileOps, found: UnreplayableRecordError) -> Quarantined:
+def _move_aside(
+    directory: Path, ops: FileOps, found: UnreplayableRecordError, after_keep: str
+) -> Quarantined:
     segment_path = Path(found.path)
     data = segment_path.read_bytes()
     start = found.offset
@@ -119,6 +125,8 @@ def _move_aside(directory: Path, ops: FileOps, found: UnreplayableRecordError) -
     }
     replace_file(ops, kept, json.dumps(note, indent=1).encode("ascii"))
     fsync_dir(ops, aside)
+    if after_keep:
+        crash_point(after_keep)
     replace_file(ops, segment_path, data[:start] + data[end:])
     fsync_dir(ops, directory)
     return Quarantined(found.segment, start, found.reason, payload, kept)

@@ -16,8 +16,9 @@ unacknowledged message due again on the next one, since what was on the old one 
 arrived. Nothing here is durable: the log holds the messages and their numbers, the cursor the
 filter, so a crash of either side at any point costs at most a resend that the filter drops.
 
-Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet) and
-``xfer.log.before_compact`` (an ack received, the log not yet compacted).
+Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet),
+``xfer.log.before_compact`` (an ack received, the log not yet compacted) and
+``xfer.log.after_keep_refused`` (a refused message kept in ``refused/``, not yet dropped).
 """
 
 from __future__ import annotations
@@ -328,7 +329,10 @@ class LogTransfer:
         kept = None
         if mine and nack.reason == INVALID_MESSAGE:
             try:
-                kept = self.mlog.refuse(nack.stream, nack.epoch, nack.seq, nack.detail)
+                kept = self.mlog.keep_refused(nack.stream, nack.epoch, nack.seq, nack.detail)
+                if kept is not None:
+                    crash_point("xfer.log.after_keep_refused")
+                    self.mlog.drop(nack.stream, nack.epoch, [nack.seq])
             except (OSError, LogError) as exc:
                 log.error("%s: cannot keep refused message %d of %s: %s; it is resent",
                           self.name, nack.seq, nack.stream, exc)  # fmt: skip

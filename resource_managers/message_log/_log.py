@@ -351,16 +351,14 @@ class MessageLog:
         else:
             self._append([record], force=False)
 
-    def refuse(self, stream: str, epoch: int, seq: int, reason: str) -> Path | None:
+    def keep_refused(self, stream: str, epoch: int, seq: int, reason: str) -> Path | None:
         """The cursor refused message ``seq`` (``NACK invalid-message``): keep it whole in
-        ``refused/`` (durable first), then drop it from its stream like an expired one. Returns
-        the kept file, or None if the log no longer holds that message (nothing to do)."""
+        ``refused/`` (durable when this returns), so that the caller may then `drop` it from
+        its stream. Returns the kept file, or None if the log no longer holds that message."""
         message = self.get(stream, [seq]).get(seq)
         if message is None or self.epoch(stream) != epoch:
             return None
-        kept = keep_refused(self.directory, stream, epoch, seq, message=message, reason=reason)
-        self.drop(stream, epoch, [seq])
-        return kept
+        return keep_refused(self.directory, stream, epoch, seq, message=message, reason=reason)
 
     def drop_expired(self, stream: str, now_ms: int | None = None) -> list[tuple[int, Message]]:
         """Remove the visible messages of ``stream`` whose ``expires_at`` has passed (a lazy

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import LogWriteError, MemoryDecisionLog, TransactionManager
+from coordinator import LogWriteError, MemoryDecisionLog, TransactionManager, Xid
 from messaging.auth import SharedSecret
 from messaging.connection import Connection, Listener, connect
-from messaging.frames import Ack, ErrorFrame, Msg, Nack, Ping
+from messaging.frames import Ack, ErrorFrame, FrameType, Msg, Nack, Ping, XaReply, XaRequest
+from messaging.remote import PRODUCER_ROLE
 from messaging.remote.protocol import message_from_value, message_to_value
-from messaging.server import CursorServer
+from messaging.server import CursorServer, LogServer
 from messaging.transfer import TRANSFER_ROLE, LogTransfer
 from resource_managers.cursor import Cursor
 from resource_managers.message_log import (
@@ -168,3 +169,24 @@ def test_a_handler_error_reaches_the_peer_as_its_code_and_only_a_defect_is_inter
             else:
                 assert listener.stats["internal_errors"] == 0 and not traced
                 assert listener.stats[f"error_{code}"] == 1
+
+
+def test_a_remote_producer_server_refuses_the_same_messages_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    nowhere = ("127.0.0.1", 1)  # its transfer retries in the background; irrelevant here
+    with LogServer(tmp_path / "log", SECRET, cursor=nowhere, listen=("127.0.0.1", 0)) as server:
+        assert server.address is not None
+        with connect(server.address, SECRET, "app", PRODUCER_ROLE, timeout=5) as conn:
+            for n, (_, destination, headers) in enumerate(REFUSED, 1):
+                xid = Xid.branch_of(f"node:v-{n}", "mlog")
+                value = message_to_value(Message("m", destination, b"p", headers))
+                conn.send(
+                    XaRequest(FrameType.XA_PREPARE, n, xid, {"rm": "mlog", "messages": [value]})
+                )
+                reply = conn.recv(timeout=5)
+                assert isinstance(reply, XaReply) and reply.status == "mlog-invalid-message", reply
+        stats = server.mlog.stats()
+        assert (stats.prepared, stats.pending, server.internal_errors) == (0, 0, 0)
+    with MessageLog(tmp_path / "log") as mlog:
+        assert mlog.prepared_gids() == []
