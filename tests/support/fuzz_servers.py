@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
@@ -145,6 +146,20 @@ def handshake_frame(d: Draw, hello: Hello, secret: bytes) -> bytes:
     return mutate(d, int(FrameType.AUTH), payload) if d.chance(0.1) else raw_frame(2, payload)
 
 
+_GONE = object()  # what `_take` returns when the connection failed
+
+
+def _take(read: Callable[[], object], sent: bytes, tally: Tally) -> object:
+    """The next answer, or `_GONE` once a hang (no answer in time) or a reset is noted."""
+    try:
+        return read()
+    except TimeoutError:
+        tally.note("hang", sent)
+    except (OSError, FrameError):
+        tally.note("reset")
+    return _GONE
+
+
 def unauthenticated(address: tuple[str, int], d: Draw, secret: bytes, tally: Tally) -> None:
     with socket.create_connection(address, timeout=SESSION_TIMEOUT) as sock:
         reader = FrameReader(sock, max_frame=PRE_AUTH_MAX_FRAME)
@@ -159,14 +174,12 @@ def unauthenticated(address: tuple[str, int], d: Draw, secret: bytes, tally: Tal
             sock.sendall(sent)
             if d.chance(0.05):
                 sock.shutdown(socket.SHUT_WR)
-            answer = reader.read()
-        except TimeoutError:
-            tally.note("hang", sent)
-            return
-        except (OSError, FrameError):
+        except OSError:
             tally.note("reset")
             return
-        tally.note("closed" if answer is None else answer_kind(answer), sent)
+        answer = _take(reader.read, sent, tally)
+        if answer is not _GONE:
+            tally.note("closed" if answer is None else answer_kind(answer), sent)
 
 
 def authenticated(
@@ -207,16 +220,9 @@ def _answers(conn: Connection, token: int, sent: bytes, tally: Tally) -> None:
     deadline = time.monotonic() + SESSION_TIMEOUT
     ponged = False
     while not ponged or conn.readable():
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            frame = conn.recv(timeout=left)
-        except TimeoutError:
-            tally.note("hang", sent)
-            return
-        except (OSError, FrameError):
-            tally.note("reset")
+        left = max(0.001, deadline - time.monotonic())
+        frame = _take(lambda: conn.recv(timeout=left), sent, tally)  # noqa: B023
+        if frame is _GONE:
             return
         if frame is None:
             tally.note("closed")
