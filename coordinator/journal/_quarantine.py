@@ -28,9 +28,9 @@ from coordinator.crashpoints import crash_point
 from coordinator.errors import LogError, UnreplayableRecordError
 
 from ._fileops import FileOps, OsFileOps, ensure_dir, fsync_dir, replace_file
-from ._framing import FRAME_HEADER_SIZE, MAX_RECORD_BYTES
+from ._framing import FRAME_HEADER, FRAME_HEADER_SIZE, MAX_RECORD_BYTES
 from ._lock import acquire_lock
-from ._recovery import _replay_segment
+from ._recovery import replay_segment
 from ._segment import list_segments, read_current
 
 QUARANTINE_DIR = "quarantine"
@@ -69,7 +69,7 @@ def _first_unreplayable(
     for seq, path in list_segments(directory).items():
         if seq <= current:
             try:
-                _replay_segment(path, seq, MAX_RECORD_BYTES, replay, last=seq == current)
+                replay_segment(path, seq, MAX_RECORD_BYTES, replay, last=seq == current)
             except UnreplayableRecordError as exc:
                 return exc
     return None
@@ -111,7 +111,7 @@ def _move_aside(
     segment_path = Path(found.path)
     data = segment_path.read_bytes()
     start = found.offset
-    length = int.from_bytes(data[start + 2 : start + 6], "little")
+    _, length, _ = FRAME_HEADER.unpack_from(data, start)
     end = start + FRAME_HEADER_SIZE + length
     payload = data[start + FRAME_HEADER_SIZE : end]
     aside = directory / QUARANTINE_DIR

@@ -69,7 +69,7 @@ def open_directory(directory: Path, ops: FileOps, max_record: int, replay: Repla
     end = 0
     for seq, path in segments.items():
         if seq <= current:
-            damage, end = _replay_segment(path, seq, max_record, replay, last=seq == current)
+            damage, end = replay_segment(path, seq, max_record, replay, last=seq == current)
     truncated = _cut_torn_tail(ops, segments[current], damage)
     stale = [path for seq, path in segments.items() if seq > current or seq < first_live]
     dir_fsyncs = _remove_stale(directory, ops, stale)
@@ -122,7 +122,7 @@ def _check_header(
     return header
 
 
-def _replay_segment(
+def replay_segment(
     path: Path, seq: int, max_record: int, replay: Replay, *, last: bool
 ) -> tuple[Damage | None, int]:
     """Deliver one segment's records; return its torn tail (only allowed if last) and sound end."""

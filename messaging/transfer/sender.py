@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from coordinator.backoff import Backoff, ExponentialBackoff
@@ -320,26 +321,16 @@ class LogTransfer:
         """``invalid-message``: the cursor will refuse every resend, and the stream cannot move
         past it, so the log keeps the message in ``refused/`` (durably) and takes it out of the
         stream; the next message is relinked past it. Any other reason, or a message this
-        transfer no longer holds, is logged and changes nothing (the message stays and is
-        resent with back-off)."""
+        transfer no longer holds (a refusal of a resend already dealt with), changes nothing."""
         self.stats["nacks"] += 1
         with self._lock:
             sender = self._senders.get(nack.stream)
             mine = sender is not None and sender.epoch == nack.epoch and nack.seq in sender.window
-        kept = None
-        if mine and nack.reason == INVALID_MESSAGE:
-            try:
-                kept = self.mlog.keep_refused(nack.stream, nack.epoch, nack.seq, nack.detail)
-                if kept is not None:
-                    crash_point("xfer.log.after_keep_refused")
-                    self.mlog.drop(nack.stream, nack.epoch, [nack.seq])
-            except (OSError, LogError) as exc:
-                log.error("%s: cannot keep refused message %d of %s: %s; it is resent",
-                          self.name, nack.seq, nack.stream, exc)  # fmt: skip
+        kept = self._keep_and_drop(nack) if mine and nack.reason == INVALID_MESSAGE else None
         if kept is None or sender is None:
             log.error(
-                "%s: the cursor refused message %d of %s (epoch %d): %s %s; it stays in the "
-                "log", self.name, nack.seq, nack.stream, nack.epoch, nack.reason, nack.detail,
+                "%s: the cursor refused message %d of %s (epoch %d): %s %s; nothing changed",
+                self.name, nack.seq, nack.stream, nack.epoch, nack.reason, nack.detail,
             )  # fmt: skip
             return
         with self._lock:
@@ -349,6 +340,20 @@ class LogTransfer:
             "%s: the cursor refused message %d of %s (epoch %d): %s; kept in %s and taken out "
             "of the stream", self.name, nack.seq, nack.stream, nack.epoch, nack.detail, kept,
         )  # fmt: skip
+
+    def _keep_and_drop(self, nack: Nack) -> Path | None:
+        """Keep the refused message, then drop it from the log; the kept file, or None if either
+        failed (then it stays in the stream and is resent with back-off, to be refused again)."""
+        try:
+            kept = self.mlog.keep_refused(nack.stream, nack.epoch, nack.seq, nack.detail)
+            if kept is not None:
+                crash_point("xfer.log.after_keep_refused")
+                self.mlog.drop(nack.stream, nack.epoch, [nack.seq])
+        except (OSError, LogError) as exc:
+            log.error("%s: cannot set refused message %d of %s aside: %s; it is resent",
+                      self.name, nack.seq, nack.stream, exc)  # fmt: skip
+            return None
+        return kept
 
     def _on_ack(self, ack: Ack) -> None:
         with self._lock:
