@@ -71,6 +71,10 @@ def restart(servers: Servers) -> list[str]:
     return [] if delivered else ["the restarted servers do not deliver a message"]
 
 
+def _bytes_under(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--frames", type=int, default=100_000)
@@ -111,6 +115,7 @@ def main() -> int:
         "rss_kib_start": rss_start,
         "rss_kib_end": rss_end,
         "rss_kib_growth": {k: rss_end[k] - rss_start[k] for k in rss_start},
+        "journal_bytes": {k: _bytes_under(workdir / k) for k in ("cursor", "log")},
     }
     print(json.dumps({k: v for k, v in report.items() if k != "failure_examples_hex"}, indent=2))
     if args.json:
