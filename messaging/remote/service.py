@@ -14,7 +14,9 @@ them and ships them with ``XA_PREPARE`` (or a one-phase ``XA_COMMIT``); the bran
 ends inside that one request, and an abandoned transaction costs the server nothing.
 
 One request at a time per connection, answered with its ``request_id``. A request of the wrong
-shape gets an error reply (``bad-request``) and the connection goes on; only a bad frame
+shape (an argument key its verb does not take included: `protocol.PRODUCER_ARGS`,
+`protocol.CONSUMER_ARGS`, `protocol.ADMIN_ARGS`) gets an error reply (``bad-request``) and the
+connection goes on; only a bad frame
 (`FrameError`, raised out of the handler) makes the listener drop the connection. The server's
 own resources (`MessageLogResource`, `CursorResource`, one per branch name, made on demand)
 enforce the XA rules; this module only maps verbs to them.
