@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tests.support.fuzz_frames import ROLES, HypothesisDraw, State
 from tests.support.fuzz_servers import Servers, Tally, describe, run_session
 
-SESSIONS = 400
+SESSIONS = 500
 BURST = 16
 
 
