@@ -529,3 +529,15 @@ def test_a_lossy_transcript_delivers_each_message_once_in_order() -> None:
     assert [a.seq for a in acks] == [1, 2, 3]
     assert s.on_ack(acks[-1].epoch, acks[-1].seq).acknowledged == ((1, "m1"), (2, "m2"), (3, "m3"))
     assert s.window == ()
+
+
+def test_a_withdrawn_message_leaves_the_stream_and_its_sent_successor_is_due_relinked() -> None:
+    """A message the receiver refused (``NACK invalid-message``) leaves the window as an expired
+    one would: the next is linked to the one before it and, already sent, goes out again now."""
+    s = sender()
+    for mid in ("m1", "m2", "m3"):
+        s.commit(mid)
+    assert links(s.due_for_resend(0.0)) == [(1, 0), (2, 1), (3, 2)]
+    assert s.withdraw(2) and not s.withdraw(2)
+    assert s.window == (1, 3)
+    assert links(s.due_for_resend(0.0)) == [(3, 1)]  # due at once, not after its back-off
