@@ -120,9 +120,11 @@ def main() -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "failure_examples_hex"}, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    if not args.keep and args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
     bad = crashed or tally.failures or tracebacks or unrestartable or servers.stops or not answered
+    if bad:
+        print(f"FAILED: the journals and the servers' output are kept in {workdir}")
+    elif not args.keep and args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 1 if bad else 0
 
 
