@@ -70,12 +70,16 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
 
 
 def secret_from(args: argparse.Namespace) -> SharedSecret:
-    """The shared secret of ``--secret-file``, else of ``TWOPC_SECRET``."""
+    """The shared secret of ``--secret-file``, else of ``TWOPC_SECRET``: the variable's bytes as
+    the environment holds them (UTF-8 for text), so a value that is not valid UTF-8 is still a
+    key and not a crash."""
     if args.secret_file:
         return SharedSecret.from_file(args.secret_file)
-    env = os.environ.get("TWOPC_SECRET")
+    env = os.environb.get(b"TWOPC_SECRET") if os.supports_bytes_environ else None
+    if env is None and os.environ.get("TWOPC_SECRET"):  # Windows: text only
+        env = os.environ["TWOPC_SECRET"].encode()
     if env:
-        return SharedSecret(env.encode())
+        return SharedSecret(env)
     raise ConfigurationError("no shared secret: pass --secret-file or set TWOPC_SECRET")
 
 

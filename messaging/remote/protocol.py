@@ -44,7 +44,7 @@ from coordinator.errors import (
     TransientError,
 )
 from coordinator.resource import Outcome, Vote
-from messaging.frames import Value, XaReply
+from messaging.frames import FrameType, Value, XaReply
 from resource_managers.cursor import BranchRolledBack as CursorBranchRolledBack
 from resource_managers.cursor import Delivery, Subscription
 from resource_managers.message_log import (
@@ -66,6 +66,48 @@ MAX_RECEIVE_WAIT = 30.0
 MAX_RECEIVE_BATCH = 10_000
 #: the most message ids one replay or purge of dead letters names
 MAX_ADMIN_IDS = 100_000
+
+_NONE: frozenset[str] = frozenset()
+#: the argument keys each verb takes besides ``rm``. Any other key is refused, as an unknown
+#: frame field is: ignoring one (a misspelt ``one_phase``) could change what a request does.
+PRODUCER_ARGS: dict[FrameType, frozenset[str]] = {
+    FrameType.XA_PREPARE: frozenset({"messages"}),
+    FrameType.XA_COMMIT: frozenset({"one_phase", "messages"}),
+    FrameType.XA_ROLLBACK: _NONE,
+    FrameType.XA_RECOVER: _NONE,
+    FrameType.XA_FORGET: _NONE,
+}
+CONSUMER_ARGS: dict[FrameType, frozenset[str]] = {
+    FrameType.XA_START: frozenset({"op", "destination", "max", "timeout"}),
+    FrameType.XA_PREPARE: frozenset({"received"}),
+    FrameType.XA_COMMIT: frozenset({"one_phase", "received"}),
+    FrameType.XA_ROLLBACK: _NONE,
+    FrameType.XA_RECOVER: _NONE,
+    FrameType.XA_FORGET: _NONE,
+}
+#: the keys of each administrative op (an ``XA_RECOVER`` with ``op``), besides ``rm`` and ``op``
+ADMIN_ARGS: dict[str, frozenset[str]] = {
+    "subscribe": frozenset({"topic", "name", "durable"}),
+    "unsubscribe": frozenset({"topic", "name"}),
+    "subscriptions": frozenset({"topic"}),
+    "attach": frozenset({"topic", "name"}),
+    "detach": frozenset({"topic", "name"}),
+    "dead_letters": frozenset({"queue"}),
+    "replay_dead_letters": frozenset({"dlq", "ids"}),
+    "purge_dead_letters": frozenset({"dlq", "ids"}),
+    "set_transactional": frozenset({"queue", "transactional"}),
+    "is_transactional": frozenset({"queue"}),
+}
+
+
+def check_arg_keys(verb: FrameType, args: Mapping[str, Value], allowed: frozenset[str]) -> None:
+    """`BadRequestError` for a key of ``args`` that is neither ``rm`` nor in ``allowed``."""
+    unknown = sorted(k for k in args if k != "rm" and k not in allowed)
+    if unknown:
+        raise BadRequestError(
+            f"{verb.name} takes no argument {unknown[0][:80]!r} (it takes "
+            f"{', '.join(sorted({'rm', *allowed}))})"
+        )
 
 
 class RemoteError(TransactionError):

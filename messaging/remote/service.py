@@ -14,7 +14,9 @@ them and ships them with ``XA_PREPARE`` (or a one-phase ``XA_COMMIT``); the bran
 ends inside that one request, and an abandoned transaction costs the server nothing.
 
 One request at a time per connection, answered with its ``request_id``. A request of the wrong
-shape gets an error reply (``bad-request``) and the connection goes on; only a bad frame
+shape (an argument key its verb does not take included: `protocol.PRODUCER_ARGS`,
+`protocol.CONSUMER_ARGS`, `protocol.ADMIN_ARGS`) gets an error reply (``bad-request``) and the
+connection goes on; only a bad frame
 (`FrameError`, raised out of the handler) makes the listener drop the connection. The server's
 own resources (`MessageLogResource`, `CursorResource`, one per branch name, made on demand)
 enforce the XA rules; this module only maps verbs to them.
@@ -84,9 +86,12 @@ from resource_managers.message_log import (
 
 from .admin import CursorAdmin
 from .protocol import (
+    ADMIN_ARGS,
+    CONSUMER_ARGS,
     CONSUMER_ROLE,
     MAX_RECEIVE_BATCH,
     MAX_RECEIVE_WAIT,
+    PRODUCER_ARGS,
     PRODUCER_ROLE,
     BadRequestError,
     BranchLost,
@@ -95,6 +100,7 @@ from .protocol import (
     arg_list,
     arg_str,
     arg_timeout,
+    check_arg_keys,
     delivery_to_value,
     error_reply,
     message_from_value,
@@ -177,6 +183,7 @@ class _Service(Generic[R]):
                 raise BadRequestError(f"{request.verb.name} needs an xid")
             elif request.xid.bqual != rm and not is_sub_branch_of(request.xid.bqual, rm):
                 raise BadRequestError(f"rm {rm!r} is not the xid's branch {request.xid.bqual!r}")
+            check_arg_keys(request.verb, request.args, self._arg_keys(request))
             result = handler(self.resource(rm), request.xid, request.args, opened)
         except Exception as exc:
             if not isinstance(exc, TransactionError):
@@ -184,6 +191,10 @@ class _Service(Generic[R]):
                 log.exception("%s request %s failed", self.role, request.verb.name)
             return error_reply(request.request_id, exc)
         return XaReply(request.request_id, "ok", result)
+
+    def _arg_keys(self, request: XaRequest) -> frozenset[str]:
+        """The argument keys ``request``'s verb takes besides ``rm``."""
+        raise NotImplementedError
 
     def _reply(self, conn: Connection, request: XaRequest, reply: XaReply, opened: Open) -> None:
         try:
@@ -243,6 +254,9 @@ class ProducerService(_Service[MessageLogResource]):
 
     def _make(self, name: str) -> MessageLogResource:
         return MessageLogResource(self.mlog, name)
+
+    def _arg_keys(self, request: XaRequest) -> frozenset[str]:
+        return PRODUCER_ARGS[request.verb]
 
     def _verbs(
         self,
@@ -322,6 +336,14 @@ class ConsumerService(_Service[CursorResource]):
 
     def _make(self, name: str) -> CursorResource:
         return CursorResource(self.cursor, name, self.max_deliveries)
+
+    def _arg_keys(self, request: XaRequest) -> frozenset[str]:
+        op = request.args.get("op")
+        if request.verb != FrameType.XA_RECOVER or op is None:
+            return CONSUMER_ARGS[request.verb]
+        if isinstance(op, str) and op in ADMIN_ARGS:
+            return ADMIN_ARGS[op] | {"op"}
+        return frozenset(request.args)  # an unknown op: the admin refuses it by name
 
     def _verbs(
         self,

@@ -210,6 +210,8 @@ def test_admin_requests_of_the_wrong_shape_are_refused(stack: Stack, remote: Rem
         {"op": "purge_dead_letters", "dlq": "orders.DLQ", "ids": "all"},
         {"op": "purge_dead_letters", "dlq": "orders.DLQ", "ids": [1, 2]},
         {"op": "set_transactional", "queue": "orders"},
+        {"op": "subscribe", "topic": NEWS, "name": "x", "durable": True, "shared": True},
+        {"op": "subscriptions", "topic": None, "queue": "orders"},
     ]
     with connect(address, stack.secret, "raw", CONSUMER_ROLE) as conn:
         for n, args in enumerate(bad, 1):

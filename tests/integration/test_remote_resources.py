@@ -499,6 +499,16 @@ def test_malformed_requests_get_an_error_and_the_connection_goes_on(
         (FrameType.XA_PREPARE, None, {"rm": "cursor", "received": 0}),
         (FrameType.XA_PREPARE, xid, {"rm": "cursor", "received": "1"}),
         (FrameType.XA_RECOVER, None, {}),
+        # an argument the verb does not take is refused, never ignored: a misspelt one_phase
+        # would otherwise commit a branch that was never prepared
+        (FrameType.XA_COMMIT, xid, {"rm": "cursor", "onePhase": True, "received": 0}),
+        (
+            FrameType.XA_START,
+            xid,
+            {"rm": "cursor", "op": "receive", "destination": "orders", "wait": 1},
+        ),
+        (FrameType.XA_ROLLBACK, xid, {"rm": "cursor", "received": 0}),
+        (FrameType.XA_RECOVER, None, {"rm": "cursor", "xid": "x"}),
     ]
     with connect(cursor_server.address, SECRET, "raw", CONSUMER_ROLE) as conn:
         for n, (verb, x, args) in enumerate(bad, 1):
@@ -525,6 +535,10 @@ def test_malformed_requests_get_an_error_and_the_connection_goes_on(
         assert reply.status == "mlog-invalid-message"
         reply = ask(conn, FrameType.XA_PREPARE, 3, pxid, {"rm": "mlog", "messages": [{}]})
         assert reply.status == "bad-request"
+        typo: dict[str, Value] = {"rm": "mlog", "onephase": True, "messages": [message]}
+        reply = ask(conn, FrameType.XA_COMMIT, 6, pxid, typo)
+        assert reply.status == "bad-request" and "'onephase'" in reply.message
+        assert bodies(mlog) == []
         reply = ask(conn, FrameType.XA_PREPARE, 4, pxid, {"rm": "mlog", "messages": [message]})
         assert reply.status == "ok" and reply.result == {"vote": "commit"}
         reply = ask(conn, FrameType.XA_COMMIT, 5, pxid, {"rm": "mlog", "one_phase": False})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import pickle
 import socket
 import ssl
@@ -312,6 +313,26 @@ def test_secrets_never_print_never_pickle_and_must_be_long(tmp_path: Path) -> No
     path.write_bytes(b"correct horse battery staple\n")
     loaded = SharedSecret.from_file(path)
     assert loaded.mac(b"x") == SECRET.mac(b"x")
+
+
+def test_the_environment_secret_is_the_variables_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/protocol.md: TWOPC_SECRET's bytes are the key; one that is not UTF-8 is a key too,
+    not a crash at start."""
+    import argparse
+
+    from messaging.cli import secret_from
+
+    args = argparse.Namespace(secret_file=None)
+    monkeypatch.setitem(os.environb, b"TWOPC_SECRET", b"\xff\xfe not utf-8 at all \x80")
+    key = b"\xff\xfe not utf-8 at all \x80"
+    assert secret_from(args).mac(b"x") == SharedSecret(key).mac(b"x")
+    monkeypatch.setenv("TWOPC_SECRET", "clé secrète de seize octets")
+    assert secret_from(args).mac(b"x") == SharedSecret("clé secrète de seize octets".encode()).mac(
+        b"x"
+    )
+    monkeypatch.delenv("TWOPC_SECRET")
+    with pytest.raises(ConfigurationError, match="no shared secret"):
+        secret_from(args)
 
 
 def test_auth_errors_pickle_with_their_attributes() -> None:
