@@ -231,6 +231,19 @@ def test_a_commit_the_application_sent_itself_votes_no(bank: Bank, managers: lis
     assert bank.prepared() == []
 
 
+def test_the_drivers_commit_and_rollback_leave_the_branch_alone(bank: Bank, managers: list) -> None:
+    """atomicity: psycopg 3's commit() would send COMMIT in any mode; in a branch it must not."""
+    tm = make_manager(managers, [bank.a, bank.b])
+    with pytest.raises(RuntimeError), tm.transaction() as tx:
+        raw = bank.a.dbapi_connection(tx)
+        with raw.cursor() as cursor:
+            cursor.execute("UPDATE accounts SET balance = 0 WHERE id = 1")
+        raw.commit()
+        raw.rollback()
+        raise RuntimeError("abort after the driver's commit()")
+    assert bank.totals() == (4000, 4000)
+
+
 def test_a_branch_that_ran_nothing_sends_nothing(bank: Bank, managers: list) -> None:
     statements: list[str] = []
     sa.event.listen(
