@@ -449,7 +449,7 @@ class PostgresResource:
         """``COMMIT/ROLLBACK PREPARED``: on the branch's own connection if it still holds one,
         else (or if that fails for any reason but an unknown gid) on a pooled connection,
         retrying while the gid is busy."""
-        gid = xid.to_gid()
+        gid = xid.to_gid() if held is None else held.gid
         if held is not None:
             try:
                 self._driver.run(held.dbapi, f"{verb} %s", [gid])
