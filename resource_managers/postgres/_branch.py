@@ -15,12 +15,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.engine import Connection
+
 from coordinator import Xid
 
 from . import _errors
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
 _READ_ONLY_STATEMENT = re.compile(r"\s*(SELECT|SHOW|VALUES|TABLE)\b", re.IGNORECASE)
@@ -38,7 +39,7 @@ class Branch:
     pooled: Any  # SQLAlchemy's pooled connection (checked out once, given back at the end)
     dbapi: Any  # the driver's connection inside it
     begin: str | None  # the BEGIN still to send with the first statement, or None once sent
-    connection: Connection | None = None  # the Core handle, made only when asked for
+    connection: BranchConnection | None = None  # the Core handle, made only when asked for
     session: Session | None = None
     may_write: bool = False  # a False is confirmed by the server before a read-only vote
     failure: str | None = None  # why the branch must vote no, as the server said it
@@ -64,3 +65,15 @@ class Branch:
         self.last_error = _errors.describe(error)
         if begin is not None and status == IDLE:
             self.begin = begin
+
+
+class BranchConnection(Connection):
+    """A branch's Core `Connection`. Closing it (as a ``with`` block does) leaves the database
+    connection with the branch: it must not go back to the pool, where another thread could get
+    it, before the transaction ended. The resource closes it after phase two."""
+
+    def close(self) -> None:
+        """Nothing yet: the connection is the branch's until the transaction ends."""
+
+    def end_of_branch(self) -> None:
+        super().close()

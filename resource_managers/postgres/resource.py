@@ -73,7 +73,7 @@ from coordinator.errors import FencedError
 from coordinator.xid import branches_of
 
 from . import _driver, _errors
-from ._branch import IDLE, INERROR, INTRANS, Branch
+from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
 from ._decision_table import DecisionTable
 
 log = logging.getLogger("twopc.postgres")
@@ -275,7 +275,7 @@ class PostgresResource:
         """The branch's Core connection, made on first use. It may not reconnect by itself: a
         statement on a fresh connection would run outside the branch's transaction."""
         if branch.connection is None:
-            branch.connection = Connection(
+            branch.connection = BranchConnection(
                 self.engine, connection=branch.pooled, _allow_revalidate=False
             )
         return branch.connection
@@ -728,12 +728,14 @@ class PostgresResource:
                 branch.session.info.pop(_BRANCH, None)
                 branch.session.close()
             self._driver.detach(branch.dbapi)
-            connection = branch.connection or branch.pooled
             if broken:
-                connection.invalidate()
+                (branch.connection or branch.pooled).invalidate()
             else:
                 self._driver.autocommit(branch.dbapi, False)
-            connection.close()
+            if branch.connection is not None:
+                branch.connection.end_of_branch()
+            else:
+                branch.pooled.close()
         except Exception as exc:
             log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
 

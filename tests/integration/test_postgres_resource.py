@@ -191,6 +191,25 @@ def test_the_core_connection_handle_commits_across_two_databases(
     assert bank.prepared() == []
 
 
+def test_closing_the_core_handle_keeps_the_connection_with_the_branch(
+    bank: Bank, managers: list
+) -> None:
+    """A ``with`` block around the handle must not give the branch's connection back to the pool
+    (where another thread could get it) before the transaction ended."""
+    tm = make_manager(managers, [bank.a, bank.b])
+    pool = bank.engines[0].pool
+    with tm.transaction() as tx:
+        with bank.a.connection(tx) as conn:
+            conn.execute(text("UPDATE accounts SET balance = balance - 5 WHERE id = 1"))
+        assert pool.checkedout() == 1  # type: ignore[attr-defined]
+        bank.a.connection(tx).execute(
+            text("UPDATE accounts SET balance = balance - 5 WHERE id = 2")
+        )
+        move(tx.join(bank.b), "t1", 1, 10)
+    assert bank.totals() == (3990, 4010)
+    assert pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
 def test_handle_option_makes_join_return_the_core_connection(bank: Bank, managers: list) -> None:
     a = PostgresResource(bank.engines[0], "a", handle="connection")
     tm = make_manager(managers, [a, bank.b])
