@@ -1,19 +1,25 @@
 """`PostgresResource`: a PostgreSQL database as a two-phase-commit participant.
 
-A branch is one pooled connection in an ordinary transaction; ``tx.join(pg)`` hands the
-application a SQLAlchemy `Session` on it. ``prepare`` turns that transaction into a prepared one
-with ``PREPARE TRANSACTION``, after which it belongs to the server, not to the session, so the
-connection goes straight back to the pool and phase two runs ``COMMIT PREPARED`` on whichever
-connection the pool gives. Three things here are not what a first attempt would do:
+A branch is one pooled connection in an ordinary transaction, checked out once and kept from the
+first statement through phase two. ``tx.join(pg)`` hands the application a SQLAlchemy `Session`
+on it; ``pg.connection(tx)`` the Core `Connection` (no session, no ORM: the lighter handle for
+hot paths), ``pg.dbapi_connection(tx)`` the driver's own connection. ``prepare`` turns the
+transaction into a prepared one with ``PREPARE TRANSACTION``; the connection stays with the
+branch so that phase two's ``COMMIT PREPARED`` needs no second checkout, at most
+``hold_prepared`` seconds (after that it goes back to the pool and phase two, or recovery, takes
+whichever connection the pool gives). Four things here are not what a first attempt would do:
 
-- **Our own BEGIN.** The connection runs in autocommit mode and we send ``BEGIN`` ourselves, so
-  psycopg2 never believes it owns a transaction: after ``PREPARE TRANSACTION`` it would otherwise
-  keep sending statements without a BEGIN (autocommitting them) until someone called rollback.
-  Every statement of the branch, whatever path it took, runs inside our transaction.
+- **Our own BEGIN, sent with the first statement.** The connection runs in autocommit mode and
+  we send ``BEGIN`` ourselves, so the driver never believes it owns a transaction: after
+  ``PREPARE TRANSACTION`` psycopg2 would otherwise keep sending statements without a BEGIN
+  (autocommitting them) until someone called rollback. The BEGIN costs no round trip of its
+  own: it travels with the application's first statement (`_driver` says how, per driver), and
+  a branch that never ran a statement has nothing to prepare or commit.
 - **We check that PREPARE prepared.** A transaction that failed earlier answers ``PREPARE
   TRANSACTION`` with the command tag ``ROLLBACK`` and no error (psycopg2 #1213): a yes vote that
-  would turn into a phase-two failure. We require the tag, and refuse earlier when the
-  transaction is already in error, with the error the server gave then.
+  would turn into a phase-two failure. We require the tag, and refuse earlier when the server's
+  transaction status (read by the driver without a round trip) is not a healthy open
+  transaction: in error, or ended by a COMMIT/ROLLBACK the application sent itself.
 - **An outcome marker.** ``COMMIT PREPARED`` of a gid that does not exist cannot say whether it
   was committed (our earlier commit whose answer was lost) or rolled back by an operator. Each
   prepared branch therefore inserts its gid into a small table *inside* the branch, sent in the
@@ -22,6 +28,9 @@ connection the pool gives. Three things here are not what a first attempt would 
   heuristic outcome it is instead of being hidden. Rows older than ``marker_retention`` are
   purged by recovery passes; a decision re-driven after that long is reported as a heuristic
   rollback, loudly, never silently taken for committed.
+- **No hooks per statement or per branch.** The connection's cursors report writes and errors
+  to the branch (`_branch`), whichever handle ran them; the session class carries one hook
+  (a rollback dooms the branch), registered once per class.
 
 One-phase commits (this database is the only participant) skip all of it: no marker, no prepare,
 just ``COMMIT`` with its tag checked.
@@ -40,20 +49,19 @@ import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, TypeVar
 
-import psycopg2.extensions as ext
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import ORMExecuteState, Session
-from sqlalchemy.sql.elements import TextClause
+from sqlalchemy.orm import Session
 
 from coordinator import (
     ConfigurationError,
     Outcome,
     OutcomeUnknownError,
     ProgrammingError,
+    Transaction,
     TransactionRolledBack,
     TransientError,
     Vote,
@@ -64,14 +72,16 @@ from coordinator.decision_log import Decision
 from coordinator.errors import FencedError
 from coordinator.xid import branches_of
 
-from . import _errors
+from . import _driver, _errors
+from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
 from ._decision_table import DecisionTable
 
 log = logging.getLogger("twopc.postgres")
 T = TypeVar("T")
+Handle = Literal["session", "connection", "dbapi"]
 
 _ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
-_READ_ONLY_STATEMENT = re.compile(r"\s*(SELECT|SHOW|VALUES|TABLE)\b", re.IGNORECASE)
+_HANDLES = ("session", "connection", "dbapi")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
@@ -88,20 +98,6 @@ class NotPreparable(ProgrammingError):
     code = "postgres-not-preparable"
 
 
-@dataclass
-class _Branch:
-    """One transaction's work on this database, until it is prepared or ended."""
-
-    xid: Xid
-    gid: str
-    connection: Connection
-    session: Session
-    may_write: bool = False  # seen by the session hooks; a False is confirmed by the server
-    failure: str | None = None  # why the branch must vote no, as the server said it
-    last_error: str | None = None  # the server's latest error, for the vote's message
-    prepare_sent: bool = field(default=False)
-
-
 @dataclass(frozen=True)
 class _ServerFacts:
     database: str
@@ -112,17 +108,21 @@ class _ServerFacts:
 
 
 class PostgresResource:
-    """A PostgreSQL database (SQLAlchemy engine on psycopg2) as an XA-style resource manager.
+    """A PostgreSQL database (SQLAlchemy engine on psycopg2 or psycopg 3) as an XA-style resource
+    manager.
 
     ``name`` is the branch qualifier written into every gid and the decision log: keep it stable
-    and unique per database within a manager (default ``pg-<database>``). ``session_factory``
-    makes the `Session` a branch hands out (default ``Session(bind=connection)``).
-    ``isolation_level`` sets the branch transaction's level (default: the server's).
-    ``outcome_markers=False`` drops the marker table and with it the ability to tell an
-    operator's rollback from an earlier commit (an unknown gid is then taken as committed).
-    ``last_resource=True``: a logging last resource (see the module docstring); its decision
-    rows live in ``decision_table``, abort fences are kept for ``marker_retention``. Such a
-    database needs no ``max_prepared_transactions``.
+    and unique per database within a manager (default ``pg-<database>``). ``handle`` is what
+    ``tx.join`` returns: ``"session"`` (default; a `Session` made by ``session_factory``, default
+    ``Session(bind=connection)``), ``"connection"`` (the Core `Connection`) or ``"dbapi"`` (the
+    driver's connection); ``connection(tx)`` and ``dbapi_connection(tx)`` ask for the lighter
+    ones per call. ``isolation_level`` sets the branch transaction's level (default: the
+    server's). ``hold_prepared`` bounds how long a prepared branch keeps its connection waiting
+    for phase two (0: give it back at once). ``outcome_markers=False`` drops the marker table and
+    with it the ability to tell an operator's rollback from an earlier commit (an unknown gid is
+    then taken as committed). ``last_resource=True``: a logging last resource (see the module
+    docstring); its decision rows live in ``decision_table``, abort fences are kept for
+    ``marker_retention``. Such a database needs no ``max_prepared_transactions``.
     """
 
     def __init__(
@@ -131,8 +131,10 @@ class PostgresResource:
         name: str | None = None,
         *,
         sort_key: str | None = None,
+        handle: Handle = "session",
         session_factory: Callable[[Connection], Session] | None = None,
         isolation_level: str | None = None,
+        hold_prepared: float = 5.0,
         outcome_markers: bool = True,
         marker_table: str = "twopc_outcome",
         marker_retention: float = 7 * 24 * 3600.0,
@@ -141,29 +143,35 @@ class PostgresResource:
         last_resource: bool = False,
         decision_table: str = "twopc_decision_row",
     ) -> None:
-        if engine.dialect.driver != "psycopg2":
-            raise ConfigurationError(
-                f"PostgresResource needs a postgresql+psycopg2 engine, not {engine.url.drivername}"
-            )
+        self._driver = _driver.for_engine(engine)
         if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
             raise ConfigurationError(f"isolation_level must be one of {_ISOLATION_LEVELS}")
+        if handle not in _HANDLES:
+            raise ConfigurationError(f"handle must be one of {_HANDLES}, not {handle!r}")
+        if not hold_prepared >= 0:
+            raise ConfigurationError(f"hold_prepared must be >= 0 seconds, not {hold_prepared!r}")
         for label, table in (("marker_table", marker_table), ("decision_table", decision_table)):
             if not _IDENTIFIER.match(table):
                 raise ConfigurationError(f"{label} {table!r} is not a plain identifier")
         self.engine = engine
         self._name = name or _default_name(engine)
         self._sort_key = sort_key or self._name
-        self._session_factory = session_factory or (lambda conn: TwopcSession(bind=conn))
+        self._handle: Handle = handle
+        self._session_factory = session_factory or _default_session
         self._begin = "BEGIN"
         if isolation_level is not None:
             self._begin += f" ISOLATION LEVEL {isolation_level.upper()}"
+        self._hold = hold_prepared
         self._markers = outcome_markers
         self._marker_name = marker_table
         self._marker_retention = marker_retention
         self._busy_retries = busy_retries
         self._busy_delay = busy_delay
         self._lock = threading.Lock()
-        self._branches: dict[Xid, _Branch] = {}
+        self._branches: dict[Xid, Branch] = {}
+        #: prepared branches keeping their connection for phase two, oldest first
+        self._held: dict[Xid, Branch] = {}
+        self._wanted = threading.local()  # the handle `connection`/`dbapi_connection` asked for
         self._facts: _ServerFacts | None = None
         self._last_purge = 0.0
         self._last = last_resource
@@ -187,7 +195,7 @@ class PostgresResource:
 
     # -- phase zero: the branch's work -----------------------------------------------------------
 
-    def start(self, xid: Xid) -> Session:
+    def start(self, xid: Xid) -> Any:
         facts = self._server_facts()
         if facts.max_prepared <= 0 and not self._last:
             raise ConfigurationError(
@@ -195,44 +203,82 @@ class PostgresResource:
                 "part in two-phase commit; set max_prepared_transactions (at least "
                 "max_connections) in postgresql.conf and restart PostgreSQL"
             )
-        connection = self._once_more(self._begun_connection)
+        if self._held:
+            self._release_expired()
+        branch = self._open(xid)
         try:
-            session = self._session_factory(connection)
-            _watch(type(session))
-            branch = _Branch(xid, xid.to_gid(), connection, session)
-            session.info[_BRANCH] = branch
+            handle = self._handle_of(branch, getattr(self._wanted, "kind", None) or self._handle)
         except BaseException:
-            self._raw(_dbapi(connection), "ROLLBACK")
-            _autocommit(_dbapi(connection), False)
-            connection.close()
+            self._release(branch, broken=False)
             raise
         with self._lock:
             self._branches[xid] = branch
-        return branch.session
+        return handle
 
-    def _begun_connection(self) -> Connection:
-        """A pooled connection in our own transaction (the module docstring says why)."""
+    def connection(self, tx: Transaction) -> Connection:
+        """Join ``tx`` (if not joined yet) and return the branch's SQLAlchemy Core `Connection`:
+        no `Session` is made when this is the first join. Its statements are the branch's."""
+        return self._core(self._joined(tx, "connection"))
+
+    def dbapi_connection(self, tx: Transaction) -> Any:
+        """Join ``tx`` and return the driver's connection of the branch (psycopg2 or psycopg 3).
+        Use its cursors; never its ``commit``, ``rollback`` or ``autocommit``."""
+        return self._joined(tx, "dbapi").dbapi
+
+    def _joined(self, tx: Transaction, kind: Handle) -> Branch:
+        xid = Xid.branch_of(tx.gtrid, self._name)
+        with self._lock:
+            branch = self._branches.get(xid)
+        if branch is None:
+            self._wanted.kind = kind
+            try:
+                tx.join(self)
+            finally:
+                self._wanted.kind = None
+            branch = self._branch(xid)
+        return branch
+
+    def _open(self, xid: Xid) -> Branch:
+        """A pooled connection, in autocommit mode, whose cursors report to the new branch. No
+        round trip: the BEGIN waits for the first statement (the module docstring says why)."""
         try:
-            connection = self.engine.connect()
+            pooled = self.engine.raw_connection()
         except Exception as exc:
             raise TransientError(
                 f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
             ) from exc
+        dbapi = pooled.dbapi_connection
+        branch = Branch(xid, xid.to_gid(), pooled, dbapi, self._begin)
         try:
-            _autocommit(_dbapi(connection), True)
-            self._raw(_dbapi(connection), self._begin)
+            self._driver.autocommit(dbapi, True)
+            self._driver.attach(dbapi, branch)
         except Exception as exc:
-            connection.invalidate()
-            connection.close()
-            if _errors.is_unreachable(exc):
-                self._forget_pool()
-                raise _ConnectionLost(
-                    f"{self._name}: lost the connection to PostgreSQL: {_errors.describe(exc)}"
-                ) from exc
+            pooled.invalidate()
+            pooled.close()
             raise TransientError(
                 f"{self._name}: cannot open a branch: {_errors.describe(exc)}"
             ) from exc
-        return connection
+        return branch
+
+    def _handle_of(self, branch: Branch, kind: Handle) -> Any:
+        if kind == "dbapi":
+            return branch.dbapi
+        connection = self._core(branch)
+        if kind == "connection":
+            return connection
+        session = branch.session = self._session_factory(connection)
+        _watch(type(session))
+        session.info[_BRANCH] = branch
+        return session
+
+    def _core(self, branch: Branch) -> Connection:
+        """The branch's Core connection, made on first use. It may not reconnect by itself: a
+        statement on a fresh connection would run outside the branch's transaction."""
+        if branch.connection is None:
+            branch.connection = BranchConnection(
+                self.engine, connection=branch.pooled, _allow_revalidate=False
+            )
+        return branch.connection
 
     def is_transient(self, error: BaseException) -> bool:
         """For `TransactionManager.run`: may a retry of the whole transaction succeed?
@@ -247,14 +293,14 @@ class PostgresResource:
     def prepare(self, xid: Xid) -> Vote:
         branch = self._branch(xid)
         self._flush_for_commit(branch)
-        if not branch.may_write and not self._has_xid(branch):
-            self._end_local(branch)
+        if branch.begin is not None or (not branch.may_write and not self._has_xid(branch)):
+            self._end_local(branch)  # no statement ran, or none wrote
             return Vote.READ_ONLY
         self._prepare_on_server(branch)
         crash_point(f"postgres.{self._name}.after_prepare")
         return Vote.COMMIT
 
-    def _prepare_on_server(self, branch: _Branch) -> None:
+    def _prepare_on_server(self, branch: Branch) -> None:
         facts = self._server_facts()
         sql, params = "PREPARE TRANSACTION %s", [branch.gid]
         if facts.marker_table is not None:
@@ -263,7 +309,7 @@ class PostgresResource:
             params.insert(0, branch.gid)
         branch.prepare_sent = True
         try:
-            tag = self._raw(_dbapi(branch.connection), sql, params)
+            tag = self._driver.run(branch.dbapi, sql, params)
         except Exception as exc:
             if _errors.is_unreachable(exc):
                 # The PREPARE may have landed before the connection died: roll back by gid later.
@@ -290,7 +336,33 @@ class PostgresResource:
                 f"{self._name}: the server answered PREPARE TRANSACTION with {tag!r}; "
                 "nothing was prepared"
             )
-        self._discard(branch, broken=False)
+        self._hold_for_phase_two(branch)
+
+    def _hold_for_phase_two(self, branch: Branch) -> None:
+        """The prepared transaction belongs to the server now; its connection waits for phase
+        two (one checkout per transaction), for ``hold_prepared`` seconds at most."""
+        with self._lock:
+            self._branches.pop(branch.xid, None)
+            if self._hold > 0:
+                branch.held_until = time.monotonic() + self._hold
+                self._held[branch.xid] = branch
+                return
+        self._release(branch, broken=False)
+
+    def _release_expired(self) -> None:
+        """Give back the connections of branches prepared longer than ``hold_prepared`` ago:
+        their phase two (or recovery's) takes a pooled connection when it comes."""
+        now = time.monotonic()
+        with self._lock:
+            expired = []
+            for branch in self._held.values():  # oldest first: insertion order
+                if branch.held_until > now:
+                    break
+                expired.append(branch)
+            for branch in expired:
+                del self._held[branch.xid]
+        for branch in expired:
+            self._release(branch, broken=False)
 
     # -- phase two ---------------------------------------------------------------------------------
 
@@ -299,34 +371,49 @@ class PostgresResource:
             return self._commit_one_phase(self._branch(xid))
         with self._lock:
             stray = self._branches.get(xid)
+            held = self._held.pop(xid, None) if stray is None else None
         if stray is not None:
             raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
         try:
-            self._finish_prepared("COMMIT PREPARED", xid)
+            self._finish_prepared("COMMIT PREPARED", xid, held)
         except _UnknownGid:
             if not self._markers or self._marker_exists(xid):
                 return None  # committed before; the answer was lost
             return Outcome.HEURISTIC_ROLLBACK
         return None
 
-    def _flush_for_commit(self, branch: _Branch) -> None:
-        """Flush the session; a branch whose work failed is ended here and votes no (the
-        transaction's status is psycopg2's, read without a round trip)."""
-        try:
-            branch.session.flush()
-        except Exception as exc:
-            self._end_local(branch)
-            raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
-        if branch.failure is None and self._in_error(branch):
-            branch.failure = branch.last_error or "a statement failed earlier in the transaction"
+    def _flush_for_commit(self, branch: Branch) -> None:
+        """Flush the session; a branch whose work failed, or whose transaction the application
+        ended itself, is ended here and votes no. The server's transaction status is the
+        driver's, read without a round trip."""
+        if branch.session is not None:
+            try:
+                branch.session.flush()
+            except Exception as exc:
+                self._end_local(branch)
+                raise BranchFailed(f"{self._name}: flush failed: {_errors.describe(exc)}") from exc
+        if branch.failure is None and branch.begin is None:
+            status = self._driver.status(branch.dbapi)
+            if status == INERROR:
+                branch.failure = branch.last_error or "a statement failed earlier"
+            elif status == IDLE:
+                branch.failure = (
+                    "the transaction was ended by a COMMIT or ROLLBACK sent through the "
+                    "branch's connection; its work is not the branch's any more"
+                )
+            elif status != INTRANS:
+                branch.failure = f"the connection is not in a usable transaction (status {status})"
         if branch.failure is not None:
             self._end_local(branch)
             raise BranchFailed(f"{self._name}: the branch's work failed: {branch.failure}")
 
-    def _commit_one_phase(self, branch: _Branch) -> Outcome | None:
+    def _commit_one_phase(self, branch: Branch) -> Outcome | None:
         self._flush_for_commit(branch)
+        if branch.begin is not None:  # no statement ran: nothing to commit
+            self._discard(branch, broken=False)
+            return None
         try:
-            tag = self._raw(_dbapi(branch.connection), "COMMIT")
+            tag = self._driver.run(branch.dbapi, "COMMIT")
         except Exception as exc:
             broken = _errors.is_unreachable(exc)
             self._discard(branch, broken=True)
@@ -345,25 +432,38 @@ class PostgresResource:
     def rollback(self, xid: Xid) -> Outcome | None:
         with self._lock:
             branch = self._branches.get(xid)
+            held = self._held.pop(xid, None)
         if branch is not None:
             if not branch.prepare_sent:
                 self._end_local(branch)
                 return None
             self._discard(branch, broken=True)
         try:
-            self._finish_prepared("ROLLBACK PREPARED", xid)
+            self._finish_prepared("ROLLBACK PREPARED", xid, held)
         except _UnknownGid:
             if self._markers and self._marker_exists(xid):
                 return Outcome.HEURISTIC_COMMIT
         return None
 
-    def _finish_prepared(self, verb: str, xid: Xid) -> None:
-        """``COMMIT/ROLLBACK PREPARED`` on a pooled connection, retrying while the gid is busy."""
-        gid = xid.to_gid()
+    def _finish_prepared(self, verb: str, xid: Xid, held: Branch | None = None) -> None:
+        """``COMMIT/ROLLBACK PREPARED``: on the branch's own connection if it still holds one,
+        else (or if that fails for any reason but an unknown gid) on a pooled connection,
+        retrying while the gid is busy."""
+        gid = xid.to_gid() if held is None else held.gid
+        if held is not None:
+            try:
+                self._driver.run(held.dbapi, f"{verb} %s", [gid])
+            except Exception as exc:
+                self._release(held, broken=_errors.is_unreachable(exc))
+                if _errors.is_unknown_gid(exc):
+                    raise _UnknownGid(gid) from exc
+            else:
+                self._release(held, broken=False)
+                return
 
         def finish() -> None:
             with self._pooled() as connection:
-                self._raw(connection, f"{verb} %s", [gid])
+                self._driver.run(connection, f"{verb} %s", [gid])
 
         for attempt in range(self._busy_retries + 1):
             try:
@@ -391,8 +491,10 @@ class PostgresResource:
             ended, self._ended = self._ended, []
         node = xid.node_id or ""
         sql, params = table.commit(decision.gtrid, node, decision.branches, ended)
+        if branch.begin is not None:  # no statement ran yet: the decision row opens the branch
+            sql, branch.begin = f"{branch.begin}; {sql}", None
         try:
-            tag = self._raw(_dbapi(branch.connection), sql, params)
+            tag = self._driver.run(branch.dbapi, sql, params)
         except Exception as exc:
             self._requeue(ended)
             self._lost_last_commit(branch, exc)
@@ -401,7 +503,7 @@ class PostgresResource:
             self._requeue(ended)
             raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
 
-    def _lost_last_commit(self, branch: _Branch, exc: Exception) -> NoReturn:
+    def _lost_last_commit(self, branch: Branch, exc: Exception) -> NoReturn:
         """Say what a failed commit-with-decision leaves: unknown, fenced, or rolled back."""
         if _errors.is_unreachable(exc):
             self._discard(branch, broken=True)
@@ -464,6 +566,8 @@ class PostgresResource:
     def recover(self) -> list[Xid]:
         """Our prepared branches (and sub-branches) in this database, owned by our role, of any
         age."""
+        if self._held:
+            self._release_expired()
         rows = self._pooled_query(
             "SELECT gid FROM pg_prepared_xacts "
             "WHERE database = current_database() AND owner = current_user"
@@ -543,7 +647,7 @@ class PostgresResource:
 
         def look() -> _ServerFacts:
             with self._pooled() as connection:
-                (database, role, max_prepared, schema), *_ = self._query(
+                (database, role, max_prepared, schema), *_ = self._driver.query(
                     connection,
                     "SELECT current_database(), current_user, "
                     "current_setting('max_prepared_transactions')::int, current_schema()",
@@ -571,11 +675,11 @@ class PostgresResource:
         Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
         schema even when the table is there, and PostgreSQL 15 took that from ordinary roles.
         """
-        if self._query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
+        if self._driver.query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
             return
         for attempt in range(3):
             try:
-                self._raw(connection, ddl)
+                self._driver.run(connection, ddl)
                 return
             except Exception as exc:
                 if _errors.is_permission_denied(exc):
@@ -588,63 +692,68 @@ class PostgresResource:
                 if attempt == 2 or _errors.is_unreachable(exc):
                     raise
 
-    def _branch(self, xid: Xid) -> _Branch:
+    def _branch(self, xid: Xid) -> Branch:
         with self._lock:
             branch = self._branches.get(xid)
         if branch is None:
             raise ProgrammingError(f"{self._name}: no active branch {xid}")
         return branch
 
-    def _in_error(self, branch: _Branch) -> bool:
-        dbapi = _dbapi(branch.connection)
-        status = getattr(getattr(dbapi, "info", None), "transaction_status", None)
-        return bool(status == ext.TRANSACTION_STATUS_INERROR)
-
-    def _has_xid(self, branch: _Branch) -> bool:
+    def _has_xid(self, branch: Branch) -> bool:
         """Did any statement write? Only asked when every statement looked like a read."""
-        rows = self._query(
-            _dbapi(branch.connection), "SELECT txid_current_if_assigned() IS NOT NULL"
-        )
+        rows = self._driver.query(branch.dbapi, "SELECT txid_current_if_assigned() IS NOT NULL")
         return bool(rows[0][0])
 
-    def _end_local(self, branch: _Branch) -> None:
-        """Roll back an unprepared branch and give its connection back."""
-        try:
-            self._raw(_dbapi(branch.connection), "ROLLBACK")
-        except Exception as exc:
-            log.debug("%s: rollback of %s failed: %r", self._name, branch.gid, exc)
-            self._discard(branch, broken=True)
-            return
+    def _end_local(self, branch: Branch) -> None:
+        """Roll back an unprepared branch (if its BEGIN was ever sent) and give its connection
+        back."""
+        if branch.begin is None and self._driver.status(branch.dbapi) != IDLE:
+            try:
+                self._driver.run(branch.dbapi, "ROLLBACK")
+            except Exception as exc:
+                log.debug("%s: rollback of %s failed: %r", self._name, branch.gid, exc)
+                self._discard(branch, broken=True)
+                return
         self._discard(branch, broken=False)
 
-    def _discard(self, branch: _Branch, *, broken: bool) -> None:
+    def _discard(self, branch: Branch, *, broken: bool) -> None:
         with self._lock:
             self._branches.pop(branch.xid, None)
+        self._release(branch, broken=broken)
+
+    def _release(self, branch: Branch, *, broken: bool) -> None:
+        """Close the branch's handles and give its connection back to the pool (or drop it)."""
         try:
-            branch.session.info.pop(_BRANCH, None)
-            branch.session.close()
+            if branch.session is not None:
+                branch.session.info.pop(_BRANCH, None)
+                branch.session.close()
+            self._driver.detach(branch.dbapi)
             if broken:
-                branch.connection.invalidate()
+                (branch.connection or branch.pooled).invalidate()
             else:
-                _autocommit(_dbapi(branch.connection), False)
-            branch.connection.close()
+                self._driver.autocommit(branch.dbapi, False)
+            if branch.connection is not None:
+                branch.connection.end_of_branch()
+            else:
+                branch.pooled.close()
         except Exception as exc:
             log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
 
     @contextlib.contextmanager
     def _pooled(self) -> Iterator[Any]:
         """A pooled DBAPI connection in autocommit mode; one that lost its server is not given
-        back. Raw, not a SQLAlchemy `Connection`: phase two needs one statement, not a facade."""
+        back. Raw, not a SQLAlchemy `Connection`: recovery needs one statement, not a facade."""
         try:
             raw = self.engine.raw_connection()
-            _autocommit(raw.dbapi_connection, True)
+            self._driver.autocommit(raw.dbapi_connection, True)
         except Exception as exc:
             raise TransientError(
                 f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
             ) from exc
+        dbapi = raw.dbapi_connection
         try:
-            yield raw
-            _autocommit(raw.dbapi_connection, False)
+            yield dbapi
+            self._driver.autocommit(dbapi, False)
         except BaseException as exc:
             if _errors.is_unreachable(exc):
                 raw.invalidate()
@@ -653,7 +762,7 @@ class PostgresResource:
                     f"{self._name}: lost the connection to PostgreSQL: {_errors.describe(exc)}"
                 ) from exc
             with contextlib.suppress(Exception):
-                _autocommit(raw.dbapi_connection, False)
+                self._driver.autocommit(dbapi, False)
             raise
         finally:
             raw.close()
@@ -661,14 +770,14 @@ class PostgresResource:
     def _pooled_query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         def work() -> list[tuple[Any, ...]]:
             with self._pooled() as connection:
-                return self._query(connection, sql, params)
+                return self._driver.query(connection, sql, params)
 
         return self._once_more(work)
 
     def _pooled_exec(self, sql: str, params: list[Any] | None = None) -> str:
         def work() -> str:
             with self._pooled() as connection:
-                return self._raw(connection, sql, params)
+                return self._driver.run(connection, sql, params)
 
         return self._once_more(work)
 
@@ -684,43 +793,13 @@ class PostgresResource:
         except _ConnectionLost:
             return work()
 
-    @staticmethod
-    def _raw(dbapi: Any, sql: str, params: list[Any] | None = None) -> str:
-        """Run ``sql`` on a DBAPI cursor (quoting by psycopg2) and return the command tag."""
-        cursor = dbapi.cursor()
-        try:
-            cursor.execute(sql, params)
-            return str(cursor.statusmessage)
-        finally:
-            cursor.close()
 
-    @staticmethod
-    def _query(dbapi: Any, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
-        cursor = dbapi.cursor()
-        try:
-            cursor.execute(sql, params)
-            return list(cursor.fetchall())
-        finally:
-            cursor.close()
-
-
-def _dbapi(connection: Connection) -> Any:
-    return connection.connection.dbapi_connection
-
-
-def _autocommit(dbapi: Any, on: bool) -> None:
-    """Flip psycopg2's autocommit directly: no round trip, unlike SQLAlchemy's isolation-level
-    option, whose reset on every return to the pool costs a ``SET default_transaction_isolation``.
-    The pool sees the connection exactly as it lent it."""
-    if dbapi is not None and dbapi.autocommit != on:
-        dbapi.autocommit = on
-
-
-# -- the session hooks ---------------------------------------------------------------------------
+# -- the session hook ----------------------------------------------------------------------------
 #
 # Registered once per Session class, never per engine or per session: an engine-level listener
 # slows every statement of every connection of the engine (the application's own too), and a
-# per-session one slows that session's every call. A branch finds itself in ``session.info``.
+# per-session one slows that session's every call. A branch finds itself in ``session.info``;
+# statements are seen by the branch's cursors (`_branch`), not by session hooks.
 
 _BRANCH = "twopc.postgres.branch"
 _watched: set[type[Session]] = set()
@@ -728,7 +807,11 @@ _watched_lock = threading.Lock()
 
 
 class TwopcSession(Session):
-    """The session a branch hands out by default: a `Session` whose class carries the hooks."""
+    """The session a branch hands out by default: a `Session` whose class carries the hook."""
+
+
+def _default_session(connection: Connection) -> Session:
+    return TwopcSession(bind=connection)
 
 
 def _watch(cls: type[Session]) -> None:
@@ -736,43 +819,15 @@ def _watch(cls: type[Session]) -> None:
         return
     with _watched_lock:
         if cls not in _watched:
-            event.listen(cls, "do_orm_execute", _on_execute)
-            event.listen(cls, "after_flush", _on_flush)
             event.listen(cls, "after_soft_rollback", _on_soft_rollback)
             _watched.add(cls)
-
-
-def _on_execute(state: ORMExecuteState) -> Any:
-    """Note writes (to skip the server's read-only check) and the last error (for the vote)."""
-    branch: _Branch | None = state.session.info.get(_BRANCH)
-    if branch is None:
-        return None
-    statement = state.statement
-    if not state.is_select and not (
-        isinstance(statement, TextClause) and _READ_ONLY_STATEMENT.match(statement.text)
-    ):
-        branch.may_write = True
-    try:
-        return state.invoke_statement()
-    except Exception as exc:
-        # remembered for the no vote's message only: a failure the application recovered from
-        # (ROLLBACK TO SAVEPOINT) must not doom the branch, and the server's transaction status
-        # at prepare says whether it did
-        branch.last_error = _errors.describe(exc)
-        raise
-
-
-def _on_flush(session: Session, context: Any) -> None:
-    branch: _Branch | None = session.info.get(_BRANCH)
-    if branch is not None:
-        branch.may_write = True
 
 
 def _on_soft_rollback(session: Session, previous: Any) -> None:
     # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode as
     # far as SQLAlchemy knows), so a rollback of the session dooms the branch instead. Rolling
     # back to a savepoint (a nested transaction) undoes its work on the server.
-    branch: _Branch | None = session.info.get(_BRANCH)
+    branch: Branch | None = session.info.get(_BRANCH)
     if branch is None or getattr(previous, "nested", False) or branch.failure is not None:
         return
     branch.failure = "the session was rolled back"

@@ -55,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: find tests/
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -109,20 +109,22 @@ def open_log(spec: str, node_id: str, args: argparse.Namespace) -> DecisionLog:
 
 
 def open_resources(
-    dbs: dict[str, str], pool_size: int, last: str | None = None
+    dbs: dict[str, str], pool_size: int, last: str | None = None, driver: str = "psycopg2"
 ) -> list[PostgresResource]:
     resources = []
     for name, url in dbs.items():
         # a lock held by a crashed run's prepared branch must fail a statement, never hang it
         engine = create_engine(
-            url, pool_size=pool_size, connect_args={"options": "-c lock_timeout=5000"}
+            make_url(url).set(drivername=f"postgresql+{driver}"),
+            pool_size=pool_size,
+            connect_args={"options": "-c lock_timeout=5000"},
         )
         resources.append(PostgresResource(engine, name, last_resource=name == last))
     return resources
 
 
 def open_manager(args: argparse.Namespace, *, recover_on_start: bool) -> TransactionManager:
-    resources = open_resources(args.db, args.threads + 2, args.last)
+    resources = open_resources(args.db, args.threads + 2, args.last, args.driver)
     return TransactionManager(
         args.node,
         open_log(args.log, args.node, args),
@@ -363,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--async-phase-two", action="store_true", help="phase two on a background worker"
     )
+    parser.add_argument("--driver", default="psycopg2", choices=("psycopg2", "psycopg"))
     parser.add_argument("--log", default="", help="file:DIR or sql:URL")
     parser.add_argument("--node", default=NODE_ID)
     parser.add_argument("--plan", default="2pc,2pc,2pc")

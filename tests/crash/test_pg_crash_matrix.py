@@ -438,11 +438,35 @@ def journal_only(scenario: Scenario) -> bool:
     return any(any(re.fullmatch(p, n) for p in JOURNAL_POINTS) for n in names(scenario))
 
 
+#: the scenarios psycopg 3 runs too (file log): the two-phase path's steps on PostgreSQL, and
+#: every last-resource scenario
+PG3_POINTS = (
+    "tm.after_prepare.2",
+    "tm.read_only.after_vote",
+    "tm.after_decision_fsync",
+    "tm.after_commit.1",
+    "tm.after_rollback.2",
+    "tm.one_phase.before_ack",
+    "recovery.after_resolve.1",
+)
+
+
+def on_psycopg3(scenario: Scenario) -> bool:
+    return bool(scenario.last or scenario.id.startswith(("postgres.", *PG3_POINTS)))
+
+
 CASES = [
-    pytest.param(log, s, id=f"{log}-{s.id}")
-    for log in ("file", "sql")
-    for s in PG_SCENARIOS
-    if log == "file" or not journal_only(s)
+    *(
+        pytest.param(log, s, "psycopg2", id=f"{log}-{s.id}")
+        for log in ("file", "sql")
+        for s in PG_SCENARIOS
+        if log == "file" or not journal_only(s)
+    ),
+    *(
+        pytest.param("file", s, "psycopg", id=f"file-pg3-{s.id}")
+        for s in PG_SCENARIOS
+        if on_psycopg3(s)
+    ),
 ]
 
 
@@ -481,7 +505,7 @@ def shared(pg_server: Any) -> Iterator[Shared]:
             pg_server.drop_database(name)
 
 
-@pytest.mark.parametrize(("log_kind", "scenario"), CASES)
+@pytest.mark.parametrize(("log_kind", "scenario", "driver"), CASES)
 def test_pg_crash_point(
     log_kind: str,
     scenario: Scenario,
@@ -489,6 +513,7 @@ def test_pg_crash_point(
     shared: Shared,
     forks: ForkServer,
     *,
+    driver: str,
     crash_matrix: Any,
 ) -> None:
     log = make_log(log_kind, tmp_path, lambda: shared.log_url)
@@ -497,7 +522,16 @@ def test_pg_crash_point(
     segment = ["--segment-bytes", str(scenario.segment_bytes)] if scenario.segment_bytes else []
     last = ["--last", scenario.last] if scenario.last else []
     asynchronous = ["--async-phase-two"] if scenario.asynchronous else []
-    common = [*shared.dbs.args(), "--node", node, *segment, *last, *asynchronous]
+    common = [
+        *shared.dbs.args(),
+        "--node",
+        node,
+        *segment,
+        *last,
+        *asynchronous,
+        "--driver",
+        driver,
+    ]
 
     plan = ["--plan", ",".join(scenario.plan), "--account", str(account)]
     first = forks.run(
@@ -516,7 +550,7 @@ def test_pg_crash_point(
     if scenario.last:
         problems += decision_rows_left(shared.dbs.urls[scenario.last], node)
     crash_matrix.add(
-        point=f"pg/{log_kind} {scenario.id}",
+        point=f"pg/{log_kind}{'/pg3' if driver == 'psycopg' else ''} {scenario.id}",
         expected=scenario.expect,
         outcome=ended,
         resolved=f"{len(report['committed'])} commit, {len(report['rolled_back'])} abort",
@@ -536,7 +570,7 @@ def test_pg_matrix_covers_every_crash_point() -> None:
     unknown = [n for n in covered if not any(re.fullmatch(p, n) for p in declared)]
     assert not uncovered, f"crash points with no PostgreSQL scenario: {uncovered}"
     assert not unknown, f"scenarios naming no declared crash point: {unknown}"
-    sql_covered = {n for log, s in (c.values for c in CASES) if log == "sql" for n in names(s)}
+    sql_covered = {n for log, s, _ in (c.values for c in CASES) if log == "sql" for n in names(s)}
     sql_uncovered = [
         p for p in declared - JOURNAL_POINTS if not any(re.fullmatch(p, n) for n in sql_covered)
     ]

@@ -19,3 +19,9 @@ def curdir(tmp_path: Path) -> Path:
 def cursor(curdir: Path) -> Iterator[Cursor]:
     with Cursor(curdir) as c:
         yield c
+
+
+@pytest.fixture(params=["psycopg2", "psycopg"])
+def pg_driver(request: pytest.FixtureRequest) -> str:
+    """The PostgreSQL driver a test's engines use: psycopg2 (the default) and psycopg 3."""
+    return str(request.param)

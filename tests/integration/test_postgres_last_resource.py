@@ -26,7 +26,7 @@ from coordinator.errors import FencedError
 from resource_managers.postgres import PostgresResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager
-from tests.support.pg import ledger_engine, move, prepared_gids, total, transfer_ids
+from tests.support.pg import ledger_engine, move, on_driver, prepared_gids, total, transfer_ids
 
 
 @dataclass
@@ -44,8 +44,8 @@ class Pair:
 
 
 @pytest.fixture
-def pair(make_pg_database: Callable[[], str]) -> Iterator[Pair]:
-    engines = (ledger_engine(make_pg_database()), ledger_engine(make_pg_database()))
+def pair(make_pg_database: Callable[[], str], pg_driver: str) -> Iterator[Pair]:
+    engines = tuple(ledger_engine(on_driver(make_pg_database(), pg_driver)) for _ in "ab")
     yield Pair(
         engines,
         PostgresResource(engines[0], "a"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from coordinator.decision_log import Decision
 from resource_managers.postgres import PostgresResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager
-from tests.support.pg import ledger_engine, move, prepared_gids, total, transfer_ids
+from tests.support.pg import ledger_engine, move, on_driver, prepared_gids, total, transfer_ids
 
 
 @dataclass
@@ -46,8 +47,8 @@ class Bank:
 
 
 @pytest.fixture
-def bank(make_pg_database: Callable[[], str]) -> Iterator[Bank]:
-    engines = (ledger_engine(make_pg_database()), ledger_engine(make_pg_database()))
+def bank(make_pg_database: Callable[[], str], pg_driver: str) -> Iterator[Bank]:
+    engines = tuple(ledger_engine(on_driver(make_pg_database(), pg_driver)) for _ in "ab")
     yield Bank(engines, PostgresResource(engines[0], "a"), PostgresResource(engines[1], "b"))
     for engine in engines:
         engine.dispose()
@@ -170,6 +171,110 @@ def test_session_rollback_dooms_the_branch(bank: Bank, managers: list) -> None:
     assert bank.prepared() == []
 
 
+# -- the lean handles, and the BEGIN that rides with the first statement -------------------------
+
+
+def test_the_core_connection_handle_commits_across_two_databases(
+    bank: Bank, managers: list
+) -> None:
+    tm = make_manager(managers, [bank.a, bank.b])
+    with tm.transaction() as tx:
+        conn = bank.a.connection(tx)
+        assert isinstance(conn, sa.Connection)
+        assert bank.a.connection(tx) is conn  # the same branch, the same connection
+        conn.execute(text("UPDATE accounts SET balance = balance - 5 WHERE id = 1"))
+        raw = bank.b.dbapi_connection(tx)
+        cursor = raw.cursor()
+        cursor.execute("UPDATE accounts SET balance = balance + 5 WHERE id = 1")
+        cursor.close()
+    assert bank.totals() == (3995, 4005)
+    assert bank.prepared() == []
+
+
+def test_closing_the_core_handle_keeps_the_connection_with_the_branch(
+    bank: Bank, managers: list
+) -> None:
+    """A ``with`` block around the handle must not give the branch's connection back to the pool
+    (where another thread could get it) before the transaction ended."""
+    tm = make_manager(managers, [bank.a, bank.b])
+    pool = bank.engines[0].pool
+    with tm.transaction() as tx:
+        with bank.a.connection(tx) as conn:
+            conn.execute(text("UPDATE accounts SET balance = balance - 5 WHERE id = 1"))
+        assert pool.checkedout() == 1  # type: ignore[attr-defined]
+        bank.a.connection(tx).execute(
+            text("UPDATE accounts SET balance = balance - 5 WHERE id = 2")
+        )
+        move(tx.join(bank.b), "t1", 1, 10)
+    assert bank.totals() == (3990, 4010)
+    assert pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_handle_option_makes_join_return_the_core_connection(bank: Bank, managers: list) -> None:
+    a = PostgresResource(bank.engines[0], "a", handle="connection")
+    tm = make_manager(managers, [a, bank.b])
+    with tm.transaction() as tx:
+        conn = tx.join(a)
+        assert isinstance(conn, sa.Connection)
+        conn.execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+    assert bank.totals() == (3000, 4000)
+
+
+def test_a_refused_first_statement_leaves_no_later_one_outside_the_branch(
+    bank: Bank, managers: list
+) -> None:
+    """The BEGIN rides with the first statement; if the server refused the whole message (a
+    syntax error, psycopg2), the next statement carries it again and still runs inside the
+    branch (psycopg 3 sends the BEGIN as a statement of its own in the same flush, so the branch
+    is in error and the next statement is refused)."""
+    tm = make_manager(managers, [bank.a, bank.b])
+    with pytest.raises(RuntimeError), tm.transaction() as tx:
+        conn = bank.a.connection(tx)
+        with pytest.raises(sa.exc.ProgrammingError):
+            conn.execute(text("UPDAT accounts SET balance = 0"))
+        with contextlib.suppress(sa.exc.InternalError):
+            conn.execute(text("UPDATE accounts SET balance = 0 WHERE id = 1"))
+        raise RuntimeError("abort: the update must not have committed on its own")
+    assert bank.totals() == (4000, 4000)
+
+
+def test_a_commit_the_application_sent_itself_votes_no(bank: Bank, managers: list) -> None:
+    tm = make_manager(managers, [bank.a, bank.b])
+    ended = pytest.raises(TransactionRolledBack, match="ended by a COMMIT or ROLLBACK")
+    with ended, tm.transaction() as tx:
+        cursor = bank.a.dbapi_connection(tx).cursor()
+        cursor.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1")
+        cursor.execute("COMMIT")
+        move(tx.join(bank.b), "t1", 1, 1)
+    assert bank.totals() == (3999, 4000)  # what the application committed itself, no more
+    assert bank.prepared() == []
+
+
+def test_the_drivers_commit_and_rollback_leave_the_branch_alone(bank: Bank, managers: list) -> None:
+    """atomicity: psycopg 3's commit() would send COMMIT in any mode; in a branch it must not."""
+    tm = make_manager(managers, [bank.a, bank.b])
+    with pytest.raises(RuntimeError), tm.transaction() as tx:
+        raw = bank.a.dbapi_connection(tx)
+        with raw.cursor() as cursor:
+            cursor.execute("UPDATE accounts SET balance = 0 WHERE id = 1")
+        raw.commit()
+        raw.rollback()
+        raise RuntimeError("abort after the driver's commit()")
+    assert bank.totals() == (4000, 4000)
+
+
+def test_a_branch_that_ran_nothing_sends_nothing(bank: Bank, managers: list) -> None:
+    statements: list[str] = []
+    sa.event.listen(
+        bank.engines[0], "before_cursor_execute", lambda *args: statements.append(args[2])
+    )
+    xid = Xid.branch_of("node-1:x-1", "a")
+    bank.a.start(xid)
+    assert bank.a.prepare(xid) is Vote.READ_ONLY
+    assert statements == []
+    assert bank.engines[0].pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
 # -- idempotence and heuristics ------------------------------------------------------------------
 
 
@@ -260,8 +365,9 @@ def test_recover_lists_only_our_database_role_format_and_branch(
         conn.execute(text("INSERT INTO transfers VALUES ('foreign', 1)"))
         conn.execute(text("PREPARE TRANSACTION 'not-a-twopc-gid'"))
     with bank.engines[0].connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("CREATE ROLE someone_else LOGIN SUPERUSER"))
-    theirs_url = bank.engines[0].url.set(username="someone_else")
+        role = f"someone_else_{bank.engines[0].url.database}"  # roles are the cluster's
+        conn.execute(text(f"CREATE ROLE {role} LOGIN SUPERUSER"))
+    theirs_url = bank.engines[0].url.set(username=role)
     theirs_engine = sa.create_engine(theirs_url)
     theirs = prepared_branch(PostgresResource(theirs_engine, "a"), "node-1:x-4", "t4", 3)
     try:
@@ -291,21 +397,51 @@ def test_two_nodes_on_one_database_never_touch_each_others_branches(
 # -- connections and failures ------------------------------------------------------------------
 
 
-def test_a_prepared_branch_gives_its_connection_back_to_the_pool(
+def test_a_branch_keeps_one_connection_from_its_work_through_phase_two(
     bank: Bank, managers: list
 ) -> None:
-    checked_out: list[int] = []
+    """One checkout per branch: phase two runs on the connection that prepared, which then goes
+    back to the pool."""
+    seen: list[tuple[int, int]] = []
     pools = [e.pool for e in bank.engines]
 
     def look(xid: Xid) -> None:
-        checked_out.append(sum(p.checkedout() for p in pools))  # type: ignore[attr-defined]
+        seen.append(tuple(p.checkedout() for p in pools))  # type: ignore[arg-type,attr-defined]
 
     b = FlakyResource(bank.b, before={"commit": look})
     tm = make_manager(managers, [bank.a, b])
+    checkouts: list[int] = []  # from here on: the manager's start-up recovery is done
+    for engine in bank.engines:
+        sa.event.listen(engine, "checkout", lambda *args: checkouts.append(1))
     with tm.transaction() as tx:
         move(tx.join(bank.a), "t1", 1, -1)
         move(tx.join(b), "t1", 1, 1)
-    assert checked_out == [0]
+    assert seen == [(0, 1)]  # a committed and gave its connection back; b still holds its own
+    assert len(checkouts) == 2
+    assert [p.checkedout() for p in pools] == [0, 0]  # type: ignore[attr-defined]
+    assert bank.totals() == (3999, 4001)
+
+
+def test_a_prepared_branch_holds_its_connection_no_longer_than_hold_prepared(
+    bank: Bank, managers: list
+) -> None:
+    """A phase two that does not come (the coordinator died, or waits on its log) must not keep
+    connections out of the pool: past ``hold_prepared`` the next branch gives them back, and
+    phase two or recovery uses a pooled connection."""
+    a = PostgresResource(bank.engines[0], "a", hold_prepared=0.2)
+    xid = Xid.branch_of("node-x:1", "a")
+    move(a.start(xid), "t1", 1, -1)
+    assert a.prepare(xid) is Vote.COMMIT
+    assert bank.engines[0].pool.checkedout() == 1  # type: ignore[attr-defined]
+    time.sleep(0.3)
+    other = Xid.branch_of("node-x:2", "a")
+    a.start(other)
+    assert bank.engines[0].pool.checkedout() == 1  # type: ignore[attr-defined]
+    a.rollback(other)
+    assert a.commit(xid) is None
+    assert bank.engines[0].pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert bank.totals() == (3999, 4000)
+    assert bank.prepared() == []
 
 
 def test_a_branch_whose_sql_fails_votes_no_with_the_servers_error(
@@ -399,10 +535,11 @@ def test_serialization_failures_are_retried_by_run(bank: Bank, managers: list) -
 
 
 def test_a_role_that_may_not_create_the_marker_table_gets_the_ddl_to_run(bank: Bank) -> None:
+    app = f"app_{bank.engines[0].url.database}"  # roles are the cluster's
     with bank.engines[0].connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("CREATE ROLE app LOGIN"))
-        conn.execute(text("GRANT ALL ON accounts, transfers TO app"))
-    engine = sa.create_engine(bank.engines[0].url.set(username="app"))
+        conn.execute(text(f"CREATE ROLE {app} LOGIN"))
+        conn.execute(text(f"GRANT ALL ON accounts, transfers TO {app}"))
+    engine = sa.create_engine(bank.engines[0].url.set(username=app))
     try:
         with pytest.raises(ConfigurationError, match="have an administrator run: CREATE TABLE"):
             PostgresResource(engine, "a").start(Xid.branch_of("node-1:x-1", "a"))
@@ -413,10 +550,10 @@ def test_a_role_that_may_not_create_the_marker_table_gets_the_ddl_to_run(bank: B
                     "committed_at timestamptz NOT NULL DEFAULT now())"
                 )
             )
-            conn.execute(text("GRANT SELECT, INSERT, DELETE ON twopc_outcome TO app"))
-        app = PostgresResource(engine, "a")
-        xid = prepared_branch(app, "node-1:x-2", "t2")
-        assert app.commit(xid) is None
+            conn.execute(text(f"GRANT SELECT, INSERT, DELETE ON twopc_outcome TO {app}"))
+        resource = PostgresResource(engine, "a")
+        xid = prepared_branch(resource, "node-1:x-2", "t2")
+        assert resource.commit(xid) is None
     finally:
         engine.dispose()
 

@@ -56,3 +56,8 @@ def move(session: sa.orm.Session, transfer: str, account: int, amount: int) -> N
     session.execute(
         text("INSERT INTO transfers (id, amount) VALUES (:t, :a)"), {"t": transfer, "a": amount}
     )
+
+
+def on_driver(url: str, driver: str) -> str:
+    """``url`` with its driver replaced: ``psycopg2`` or ``psycopg`` (psycopg 3)."""
+    return sa.make_url(url).set(drivername=f"postgresql+{driver}").render_as_string(False)
