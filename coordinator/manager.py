@@ -369,9 +369,9 @@ class TransactionManager:
             for gtrid in self.unsettled():
                 with self._lock:
                     tx = self._in_flight.get(gtrid) or self._loose.get(gtrid)
-                if tx is not None:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    self.await_settled(tx, left if left is None else min(left, 1.0))
+                if tx is not None:  # a second at a time, so ``stop`` and the deadline are heard
+                    left = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+                    self.await_settled(tx, min(left, 1.0))
             if self.recover(force=True).clean and not self.unsettled():
                 return True
             if deadline is not None and time.monotonic() >= deadline:

@@ -692,3 +692,27 @@ def test_async_phase_two_falls_back_to_the_caller_when_no_worker_is_free(
     with tm.transaction() as tx:
         transfer(tx, *abc)
     assert tx.outcome == Outcome.COMMITTED and not tx.handed_off  # ran on the caller's thread
+
+
+def test_settle_hears_stop_while_a_store_stays_down(
+    abc: tuple[FileResource, ...], managers: list[TransactionManager]
+) -> None:
+    """Was broken: without a timeout, settle retried an unconfirmed rollback for ever and never
+    looked at ``stop``, so a `Consumer` could not be stopped while its cursor was down."""
+    a, b, _ = abc
+    down = FlakyResource(b)
+    tm = manager(managers, [a, down], settle_timeout=0.2)
+
+    def work(tx: Transaction) -> None:
+        tx.join(a).add("balance", -10)
+        tx.join(down).add("balance", 10)
+        down.fail_on.update({"rollback", "recover"})
+        raise TransientError("serialization failure")
+
+    with pytest.raises(TransientError):
+        tm.run(work, tries=2)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    assert tm.settle(stop=stop) is False
+    assert time.monotonic() - started < 5.0
