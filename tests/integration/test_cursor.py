@@ -271,6 +271,7 @@ def test_consume_with_postgresql_exactly_once(
                     conn.execute(sa.text("DELETE FROM transfers WHERE id = 't2'"))
         assert seen == [(b"t1", 1), (b"t2", 1), (b"t2", 2)]
         assert transfer_ids(engine) == {"t1", "t2"} and prepared_gids(engine) == []
+        cursor.flush_commits()  # a lazy commit record counts as prepared until it is on disk
         assert cursor.stats().available == 0 and cursor.prepared_gids() == []
     finally:
         engine.dispose()
