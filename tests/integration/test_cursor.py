@@ -436,7 +436,7 @@ def test_a_corrupt_segment_refuses_to_open(curdir: Path) -> None:
     assert os.path.exists(segment)
 
 
-# -- kill -9 at the consumer's commit, lazy and forced ------------------------------------------------
+# -- kill -9 at the consumer's commit, lazy and forced --------------------------------------------
 
 CONSUMER_WORKER = Path(__file__).resolve().parents[1] / "crash" / "cursor_worker.py"
 #: (crash point, worker flags, whether the third transaction commits). The cursor's commit
