@@ -278,7 +278,7 @@ def count_mode(mode: str, cl: Clusters, messages: int, warmup: int) -> dict[str,
                 for side, step in steps:
                     before = pipe.sample()
                     step()
-                    totals[side] += _delta(pipe.sample(), before)
+                    totals[side].update(_delta(pipe.sample(), before))  # keeps zeros
             time.sleep(STATS_SETTLE_S)
             wal_after = (wal_syncs(cl.producer_dsn), wal_syncs(cl.consumer_dsn))
         bm.outbox.verify(cl.producer_dsn, cl.consumer_dsn, warmup + messages)
@@ -317,6 +317,7 @@ def _table(
 ROWS = (
     ("producer", "message log", "forced_records"),
     ("producer", "decision log", "forced_records"),
+    ("producer", "decision log", "lazy_records"),
     ("producer", "PostgreSQL", "prepare"),
     ("producer", "PostgreSQL", "commit_prepared"),
     ("producer", "PostgreSQL", "commit"),
@@ -328,6 +329,7 @@ ROWS = (
     ("transfer", "wire", "round_trips"),
     ("consumer", "cursor", "forced_records"),
     ("consumer", "decision log", "forced_records"),
+    ("consumer", "decision log", "lazy_records"),
     ("consumer", "PostgreSQL", "prepare"),
     ("consumer", "PostgreSQL", "commit_prepared"),
     ("consumer", "PostgreSQL", "commit"),
@@ -360,6 +362,12 @@ def print_table(results: dict[str, dict[str, Any]], messages: int) -> None:
         trips = " ".join(f"{side_totals(results[m], side)[1]:>14.2f}" for m in modes)
         print(f"{side:<9} {'total':<13} {'forced records':<16} {forced}")
         print(f"{side:<9} {'total':<13} {'round trips':<16} {trips}")
+    print(
+        "\ncrash points of each step (mlog, cursor: the resources' names; N: the branch's index):"
+    )
+    for (side, store), points in CRASH_POINTS.items():
+        print(f"  {side:<9} {store:<13} {points}")
+    print()
     for m in modes:
         forced = sum(side_totals(results[m], s)[0] for s in SIDES)
         trips = sum(side_totals(results[m], s)[1] for s in SIDES)
