@@ -463,7 +463,8 @@ def databases(producer_dsn: str | None, consumer_dsn: str | None) -> Iterator[tu
     server = PostgresServer()
     try:
         server.start()
-        yield tuple(server.dsn(server.create_database(n)) for n in DATABASES)  # type: ignore[misc]
+        producer, consumer = (server.dsn(server.create_database(n)) for n in DATABASES)
+        yield producer, consumer
     finally:
         server.remove()
 
