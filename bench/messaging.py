@@ -15,6 +15,8 @@ over TCP on loopback, authenticated):
   producer's message-log branch is prepared, then its PostgreSQL insert commits in one phase with
   the decision row inside it (the commit point), then the log commits; the consumer's cursor
   branch likewise before its PostgreSQL insert. No decision-log force, no PREPARE TRANSACTION.
+  Both sides run their SQL through the branch's Core connection (`PostgresResource.connection`,
+  the lean handle for hot paths) and write their stores' commit records lazily (the defaults).
 - ``twopc-eo-file``, the same with the file decision log and PostgreSQL prepared as an ordinary
   branch (the path before the last resource), so before and after show in one run. In both, nothing
   can be lost or duplicated by a crash anywhere, which is more than either broker row promises
@@ -177,7 +179,7 @@ def consumer_main(  # noqa: PLR0917 - a Process target takes positional argument
                     continue
                 ids = [d.headers["id"] for d in got]
                 if mode in TWO_PHASE:
-                    tx.join(pg).execute(INSERT_CONSUMED, {"ids": ids})
+                    pg.connection(tx).execute(INSERT_CONSUMED, {"ids": ids})
                 elif mode == "at-least-once":
                     with engine.begin() as conn:  # its own commit, before the acknowledgment
                         conn.execute(INSERT_CONSUMED, {"ids": ids})
@@ -229,7 +231,7 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
                     conn.execute(INSERT_PRODUCED, {"ids": ids, "bodies": bodies})
             with tm.transaction() as tx:
                 if mode in TWO_PHASE:
-                    tx.join(pg).execute(INSERT_PRODUCED, {"ids": ids, "bodies": bodies})
+                    pg.connection(tx).execute(INSERT_PRODUCED, {"ids": ids, "bodies": bodies})
                 branch = tx.join(log_res)
                 sent = str(time.time_ns())
                 for mid, body in zip(ids, bodies, strict=True):
