@@ -66,8 +66,18 @@ class CommitReplies:
         self._queue.put(_Pending(conn, request_id, xid, on_durable, deadline))
 
     def flush(self) -> None:
-        """Return once every answer expected so far has been handled."""
-        self._queue.join()
+        """Return once every answer expected so far has been handled, or after the resource's
+        timeout (twice: an answer, then one more try): what is still open then stays with the
+        decision for recovery."""
+        deadline = time.monotonic() + 2 * self._resource.timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("%s: %d commit answer(s) still awaited; recovery re-drives them",
+                                self._resource.name, self._queue.unfinished_tasks)  # fmt: skip
+                    return
+                self._queue.all_tasks_done.wait(left)
 
     def _run(self) -> None:
         while True:
