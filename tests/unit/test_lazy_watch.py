@@ -7,6 +7,9 @@ import errno
 import threading
 from pathlib import Path
 
+import pytest
+
+from coordinator.errors import LogWriteError
 from coordinator.journal import Journal, LazyWatch
 from tests.support.faulty_ops import FaultyOps
 
@@ -63,10 +66,8 @@ def test_a_failed_write_never_runs_its_callback(tmp_path: Path) -> None:
     done: list[str] = []
     watch.watch(journal.submit(b"lazy", force=False), lambda: done.append("lazy"))
     ops.fsync_errno = errno.EIO
-    try:
+    with pytest.raises(LogWriteError):
         journal.append(b"forced", force=True)
-    except Exception:  # noqa: BLE001 - the write's own failure is not what this test checks
-        pass
     watch.settle()
     assert done == []  # what it would announce stays undone: recovery finishes it
     watch.close()
