@@ -440,7 +440,11 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
-    latch = EndLatch()
+    latch = None  # only where a branch can commit lazily: the plain path allocates nothing
+    for branch in branches:
+        if commits_lazily(branch.resource) is not None:
+            latch = EndLatch()
+            break
     if tx.runtime.parallel and len(branches) > 1:
         pool = tx.runtime.branch_executor()
         pending = [pool.submit(_commit_branch, tx, b, latch) for b in branches]
@@ -455,7 +459,12 @@ def _phase_two(
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
-        if not latch.arm(end or functools.partial(_end_record, tx.runtime.log, tx.gtrid)):
+        if latch is None:
+            if end is None:
+                write_end(tx.runtime.log, tx.gtrid)
+            else:
+                end()
+        elif not latch.arm(end or functools.partial(_end_record, tx.runtime.log, tx.gtrid)):
             crash_point("tm.end_deferred")  # a lazy commit record is not durable yet
     _finish(tx, TxState.COMMITTED, outcome)
     if outcome.is_heuristic:
@@ -468,12 +477,12 @@ def _phase_two(
     return outcome
 
 
-def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch) -> BranchResult:
+def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch | None) -> BranchResult:
     """Commit one branch; a store that can write its commit record lazily does (`lazy_commit`):
     the decision outlives it, since ``latch`` holds the transaction's end until it is durable."""
     try:
-        lazy = commits_lazily(branch.resource)
-        if lazy is not None:
+        lazy = commits_lazily(branch.resource) if latch is not None else None
+        if lazy is not None and latch is not None:
             reported = lazy.commit_lazily(branch.xid, latch.hold())
         else:
             reported = branch.resource.commit(branch.xid)

@@ -42,10 +42,18 @@ class LazyCommitter(Protocol):
     def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None: ...
 
 
+_LAZY_TYPES: dict[type, bool] = {}
+
+
 def commits_lazily(resource: object) -> LazyCommitter | None:
-    """The resource, if it offers `commit_lazily` (an attribute read: this runs per branch)."""
-    method = getattr(resource, "commit_lazily", None)
-    return resource if method is not None else None  # type: ignore[return-value]
+    """The resource, if its class offers `commit_lazily`. Answered once per class: this runs
+    for every branch of every transaction, and a missing attribute costs an exception inside
+    ``getattr``."""
+    kind = type(resource)
+    lazy = _LAZY_TYPES.get(kind)
+    if lazy is None:
+        lazy = _LAZY_TYPES[kind] = callable(getattr(kind, "commit_lazily", None))
+    return resource if lazy else None  # type: ignore[return-value]
 
 
 class EndLatch:
