@@ -9,14 +9,19 @@ Accepting: ``offer(frame)`` judges a frame with `..sequencing.StreamFilter` (no 
 record, then adopts the decision and returns the acknowledgment to send: persist before acking.
 ``deliver(frame, message)`` does both, or returns the re-acknowledgment of a dropped frame.
 
-The delivery-count scheme: a count is raised when a message is **handed out**, by a forced ``H``
-record written before ``receive`` returns. That is one fsync per receive (shared by concurrent
-receivers through the journal's group commit), and the only scheme that keeps counts exact when
-the consumer's process dies while handling a message: counting at rollback instead would lose
-exactly the deliveries a poison message ends by crashing its consumer, which would then never
-reach the dead-letter queue. In exchange the rollback record is lazy: if it is lost, the replay
-still has the ``H`` (or the ``P``), and on open every branch handed out and not prepared (its
-process is gone) is rolled back again, and a prepared one waits for recovery's decision.
+The delivery-count scheme: a count is durably raised **before** its message is handed out, the
+only scheme that keeps counts from being low when the consumer's process dies while handling a
+message: counting at rollback instead would lose exactly the deliveries a poison message ends by
+crashing its consumer, which would then never reach the dead-letter queue. The raise is either a
+forced ``H`` record written before ``receive`` returns, or a *pre-count* (`._precount`): a forced
+record the consumer side writes anyway (a branch's ``P``, a one-phase ``C``, an ``H``) raises in
+its ``p`` field the counts of the next never-delivered messages of the queues that branch used,
+and handing one of those out consumes its in-memory credit and writes only a lazy ``H`` (``c``
+0). So a steady consumer at one message per transaction forces one record per side, not two. A
+crash leaves pre-counted messages not yet handed out reading one high. In exchange for the forced
+raise the rollback record is lazy: if it is lost, the replay still has the ``H`` (or the ``P``),
+and on open every branch handed out and not prepared (its process is gone) is rolled back again,
+and a prepared one waits for recovery's decision.
 
 Commit (``C``) is forced: once the coordinator has its acknowledgment it may forget the decision,
 and a lost ``C`` would then be presumed aborted and the message delivered twice.
@@ -30,13 +35,14 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from coordinator.crashpoints import crash_point
 from coordinator.errors import (
     IllegalStateError,
     LogWriteError,
@@ -59,8 +65,10 @@ from resource_managers.message_log import (
 )
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
 
+from . import _precount
+from ._precount import DEFAULT_PRECOUNT
 from ._records import DLQ_SUFFIX, decode, encode, message_obj
-from ._state import CursorState, Entry, SubscriptionState
+from ._state import Credit, CursorState, Entry, SubscriptionState
 from ._topics import (
     TOPIC_PREFIX,
     Subscription,
@@ -73,6 +81,11 @@ log = logging.getLogger("twopc.cursor")
 
 DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
 DEFAULT_MAX_DELIVERIES = 5
+
+
+def _shown(entry: Entry) -> int:
+    """Deliveries so far as this process knows them: the count without an unused pre-count."""
+    return entry.count - (entry.credit is not None)
 
 
 def journal_replay() -> Callable[[bytes], None]:
@@ -133,11 +146,26 @@ class CursorStats:
     tombstones: int
 
 
+@dataclass
+class _Reserved:
+    """A receive's messages, reserved under the lock: the forced ``H`` to wait for (None if
+    every message held a credit), the keys it counts, the credits consumed (each must be durable
+    before the messages go out) and the credits the ``H`` itself grants."""
+
+    taken: list[Entry]
+    ticket: Ticket | None
+    counted: set[str]
+    consumed: list[Credit]
+    granted: Credit | None
+
+
 class Cursor:
     """Accepted messages in ``directory``, locked to this process. Thread-safe; a context manager.
 
     ``max_deliveries`` applies to the branches found handed out (not prepared) at open, which are
-    rolled back then; `CursorResource` passes its own to each rollback."""
+    rolled back then; `CursorResource` passes its own to each rollback. ``precount``: how many
+    waiting messages per queue a consumer's forced record pre-counts (`._precount`; 0: none, every
+    receive forces its own ``H``)."""
 
     def __init__(
         self,
@@ -148,11 +176,15 @@ class Cursor:
         tombstone_seconds: float = DEFAULT_TOMBSTONE_SECONDS,
         file_ops: FileOps | None = None,
         clock_ms: Callable[[], int] = now_ms,
+        precount: int = DEFAULT_PRECOUNT,
     ) -> None:
         if max_deliveries < 1:
             raise ProgrammingError("max_deliveries must be >= 1")
+        if precount < 0:
+            raise ProgrammingError("precount must be >= 0")
         self.directory = Path(directory)
         self.max_deliveries = max_deliveries
+        self.precount = precount
         self._tombstone_ms = int(tombstone_seconds * 1000)
         self._clock = clock_ms
         self._state = CursorState()
@@ -307,8 +339,10 @@ class Cursor:
         self, gid: str, queue: str, max_messages: int, timeout: float | None = 0.0
     ) -> list[Delivery]:
         """Hand up to ``max_messages`` available messages of ``queue``, in order, to branch
-        ``gid``: one forced ``H`` record raises all their counts. Waits up to ``timeout`` seconds
-        (None: forever) for the first; takes what is there then, without waiting for more.
+        ``gid``: one forced ``H`` record raises the counts of those without a credit (and
+        pre-counts the next ones); those with a credit go out once the record that pre-counted
+        them is durable, named in a lazy ``H``. Waits up to ``timeout`` seconds (None: forever)
+        for the first; takes what is there then, without waiting for more.
         Higher priority first, arrival order within a priority. Expired messages at the head of
         the queue move to its dead-letter queue on the way (a lazy ``W`` record: one that comes
         back after a crash has expired all the same)."""
@@ -319,20 +353,16 @@ class Cursor:
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    ticket, taken = self._reserve(gid, queue, max_messages)
-                if ticket is not None:
-                    try:
-                        self._wait(ticket)
-                    except BaseException:
-                        with self._lock:
-                            for entry in reversed(taken):
-                                self._unhand(gid, entry)
-                        raise
+                    held = self._reserve(gid, queue, max_messages)
+                if held is not None:
+                    self._await_hand_out(gid, held)
             finally:
                 self._gate.exit_shared()
-            if taken:
+            if held is not None:
+                if not held.counted:
+                    crash_point("cursor.after_credited_take")
                 self._compaction.maybe()
-                return [Delivery(e.message, e.count, queue, e.reason) for e in taken]
+                return [Delivery(e.message, e.count, queue, e.reason) for e in held.taken]
             with self.changed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -340,12 +370,10 @@ class Cursor:
                 if self._state.first_available(queue) is None:
                     self.changed.wait(remaining)
 
-    def _reserve(
-        self, gid: str, queue: str, max_messages: int
-    ) -> tuple[Ticket | None, list[Entry]]:
+    def _reserve(self, gid: str, queue: str, max_messages: int) -> _Reserved | None:
         """Under the lock: move the expired head to the dead-letter queue, reserve the next
-        messages for ``gid`` (no other consumer gets them): both records queued and applied in
-        journal order; the forced ``H``'s ticket to wait for outside the lock."""
+        messages for ``gid`` (no other consumer gets them): the records queued and applied in
+        journal order; what to wait for outside the lock. None: nothing available."""
         if gid in self._state.tombstones:
             raise BranchRolledBack(f"{gid} was rolled back (tombstone)")
         if gid in self._state.prepared:
@@ -362,22 +390,103 @@ class Cursor:
             self._submit_locked({"k": "W", "i": expired, "r": reason}, force=False)
         ids = list(itertools.islice(self._state.available.get(queue, ()), max_messages))
         if not ids:
-            return None, []
-        ticket = self._submit_locked({"k": "H", "g": gid, "i": ids, "c": 1}, force=True)
-        return ticket, [self._state.entries[mid] for mid in ids]
+            return None
+        taken = [self._state.entries[key] for key in ids]
+        consumed = [e.credit for e in taken if e.credit is not None]
+        credited = [e.key for e in taken if e.credit is not None]
+        counted = [e.key for e in taken if e.credit is None]
+        for entry in taken:
+            entry.credit = None
+        if credited:  # counts raised already: lazy, for the replay's and the rollover's sake
+            self._submit_locked({"k": "H", "g": gid, "i": credited, "c": 0}, force=False)
+        ticket, granted = None, None
+        if counted:
+            record = {"k": "H", "g": gid, "i": counted, "c": 1}
+            ticket, granted = self._submit_precounting(record, {queue: len(ids)}, counted)
+        return _Reserved(taken, ticket, set(counted), consumed, granted)
 
-    def _unhand(self, gid: str, entry: Entry) -> None:
+    def _await_hand_out(self, gid: str, held: _Reserved) -> None:
+        """Outside the lock: the forced ``H`` durable, the credits it grants settled, and every
+        consumed credit's record durable; otherwise the reservation is undone."""
+        try:
+            if held.ticket is not None:
+                self._wait(held.ticket)
+            self._settle(held.granted, True)
+            self._await_credits(held.consumed)
+        except BaseException:
+            self._settle(held.granted, False)
+            with self._lock:
+                for entry in reversed(held.taken):
+                    self._unhand(gid, entry, counted=entry.key in held.counted)
+            raise
+
+    def _await_credits(self, credits: list[Credit]) -> None:
+        """Wait until the records behind ``credits`` are durable (normally they are: only a
+        receive racing another branch's prepare finds one pending)."""
+        if not credits:
+            return
+        with self.changed:
+            while any(c.durable is None for c in credits):
+                self.changed.wait()
+        if not all(c.durable for c in credits):
+            raise LogWriteError(
+                f"cursor {self.directory}: the record that pre-counted these messages failed",
+                durable=False,
+            )
+
+    def _unhand(self, gid: str, entry: Entry, counted: bool = True) -> None:
         """Undo a reservation whose record failed (if it was written after all, the replay
-        counts one delivery more than happened: a count may be high, never low)."""
+        counts one delivery more than happened: a count may be high, never low). A credited
+        entry keeps its (raised) count and goes back without its credit."""
         mid = entry.key
         handed = self._state.handed.get(gid, [])
         if mid in handed:
             handed.remove(mid)
             if not handed:
                 del self._state.handed[gid]
-        entry.count -= 1
+        if counted:
+            entry.count -= 1
         self._state._make_available(entry)
         self.changed.notify_all()
+
+    def _submit_precounting(
+        self, record: dict[str, Any], taken: dict[str, int], skip: Collection[str] = ()
+    ) -> tuple[Ticket, Credit | None]:
+        """Under the lock: queue a forced consumer ``record`` with the pre-counts of the
+        queues in ``taken`` (queue -> messages the branch took there) in its ``p``, apply it,
+        grant the credits (pending until `_settle`)."""
+        keys = _precount.window(self._state, taken, self.precount, self.max_deliveries, skip)
+        if keys:
+            record["p"] = keys
+        ticket = self._submit_locked(record, force=True)
+        return ticket, _precount.grant(self._state, keys)
+
+    def _append_precounting(self, record: dict[str, Any]) -> None:
+        """`_append` of a forced ``P`` or one-phase ``C`` that pre-counts for the queues its
+        branch's messages (``i``) came from."""
+        self._gate.enter_shared()
+        try:
+            with self._lock:
+                taken = Counter(self._state.entries[k].queue for k in record["i"]
+                                if k in self._state.entries)  # fmt: skip
+                ticket, granted = self._submit_precounting(record, dict(taken))
+            try:
+                self._wait(ticket)
+            except BaseException:
+                self._settle(granted, False)
+                raise
+            if granted is not None:
+                crash_point("cursor.after_precount")
+            self._settle(granted, True)
+        finally:
+            self._gate.exit_shared()
+
+    def _settle(self, credit: Credit | None, durable: bool) -> None:
+        if credit is None or credit.durable is not None:
+            return
+        with self._lock:
+            _precount.settle(self._state, credit, durable)
+            self.changed.notify_all()
 
     def is_tombstoned(self, gid: str) -> bool:
         return gid in self._state.tombstones
@@ -402,10 +511,19 @@ class Cursor:
             ids = list(self._state.handed.get(gid, []))
         if not ids:
             return False
-        self._append({"k": "P", "g": gid, "i": ids}, force=True)
+        self._append_precounting({"k": "P", "g": gid, "i": ids})
         with self._lock:
             self._refuse_tombstoned(gid)
         return True
+
+    def commit_one_phase(self, gid: str) -> None:
+        """Delete the messages of a branch that was never prepared (forced ``C``, pre-counting
+        the next messages of its queues as a ``P`` would); nothing if it holds none."""
+        with self._lock:
+            ids = self._state.branch_ids(gid)
+        if ids:
+            self._append_precounting({"k": "C", "g": gid, "i": ids})
+            self._compaction.maybe()
 
     def _refuse_tombstoned(self, gid: str) -> None:
         if gid in self._state.tombstones:
@@ -453,15 +571,16 @@ class Cursor:
     # -- inspection ----------------------------------------------------------------------------
 
     def available(self, queue: str) -> list[Delivery]:
-        """The messages ``queue`` would hand out now, in order (their counts so far)."""
+        """The messages ``queue`` would hand out now, in order (their counts so far; a
+        pre-count this process holds a credit for is not counted until its delivery)."""
         with self._lock:
             entries = [self._state.entries[m] for m in self._state.available.get(queue, ())]
-            return [Delivery(e.message, e.count, e.queue, e.reason) for e in entries]
+            return [Delivery(e.message, _shown(e), e.queue, e.reason) for e in entries]
 
     def delivery_count(self, message_id: str) -> int | None:
         with self._lock:
             entry = self._state.entries.get(message_id)
-            return None if entry is None else entry.count
+            return None if entry is None else _shown(entry)
 
     def filter_counts(self) -> dict[str, int]:
         """Frames judged since open, by verdict (``accept``, ``duplicate``, ``out-of-order``...):
@@ -671,7 +790,7 @@ class Cursor:
             entries = sorted((e for e in self._state.entries.values()
                               if e.reason is not None and (dlq is None or e.queue == dlq)),
                              key=lambda e: e.order)  # fmt: skip
-            return [Delivery(e.message, e.count, e.queue, e.reason) for e in entries]
+            return [Delivery(e.message, _shown(e), e.queue, e.reason) for e in entries]
 
     def replay_dead_letters(self, dlq: str, ids: Sequence[str] | None = None) -> int:
         """Put dead letters back at the tail of their queue with their count reset (forced

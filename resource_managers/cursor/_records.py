@@ -9,9 +9,13 @@ Kinds (``k``):
   message and the stream's new filter state (``e``, ``n``) in one forced write: persist before
   acking (lazy for a non-persistent stream, ``<destination>#np``).
 - ``H`` handed out: ``g`` gid, ``i`` message ids, ``c`` 1 (a delivery: each count + 1, forced) or
-  0 (carried by rollover: no count).
+  0 (no count: carried by rollover, or messages whose count a pre-count already raised; lazy).
 - ``P`` prepare: ``g``, ``i`` the ids the branch deletes (forced).
 - ``C`` commit: ``g``, ``i`` the ids deleted (forced; also the one-phase commit).
+- ``p`` (optional, in ``H`` with ``c`` 1, ``P`` and a one-phase ``C``): keys of available,
+  never-delivered messages whose count goes + 1 ahead of their delivery (a *pre-count*: the
+  forced record that has to be written anyway makes the next deliveries' counts durable, so
+  handing those out writes no forced ``H``; see ``Cursor``). Never carried by a rollover.
 - ``R`` rollback: ``g``, ``t`` wall-clock ms (the tombstone), ``i`` ids made available again,
   ``x`` ``[id, reason]`` moved to their dead-letter queue instead (lazy).
 - ``F`` forget: ``g`` (lazy).
@@ -107,7 +111,7 @@ def _pairs(value: object) -> None:
 _CHECKS: dict[str, Any] = {
     "q": _str, "e": _int, "n": _int, "o": to_message, "g": _str, "i": _strs, "c": _int,
     "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str, "v": _bool,
-    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs, "j": _bool,
+    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs, "j": _bool, "p": _strs,
 }  # fmt: skip
 _SCHEMA: dict[str, tuple[str, ...]] = {
     "M": ("q", "e", "n", "o"),
@@ -130,4 +134,6 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "Y": ("i",),
     "Z": ("i",),
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {"Q": ("y", "h"), "M": ("j",)}
+_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "Q": ("y", "h"), "M": ("j",), "H": ("p",), "P": ("p",), "C": ("p",),
+}  # fmt: skip
