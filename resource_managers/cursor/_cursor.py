@@ -395,14 +395,14 @@ class Cursor:
         consumed = [e.credit for e in taken if e.credit is not None]
         credited = [e.key for e in taken if e.credit is not None]
         counted = [e.key for e in taken if e.credit is None]
+        ticket, granted = None, None
+        if counted:  # first: if it cannot be queued, nothing changed
+            record = {"k": "H", "g": gid, "i": counted, "c": 1}
+            ticket, granted = self._submit_precounting(record, {queue: len(ids)}, ids)
         for entry in taken:
             entry.credit = None
         if credited:  # counts raised already: lazy, for the replay's and the rollover's sake
             self._submit_locked({"k": "H", "g": gid, "i": credited, "c": 0}, force=False)
-        ticket, granted = None, None
-        if counted:
-            record = {"k": "H", "g": gid, "i": counted, "c": 1}
-            ticket, granted = self._submit_precounting(record, {queue: len(ids)}, counted)
         return _Reserved(taken, ticket, set(counted), consumed, granted)
 
     def _await_hand_out(self, gid: str, held: _Reserved) -> None:
