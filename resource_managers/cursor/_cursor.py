@@ -50,11 +50,13 @@ from coordinator.errors import (
     TransactionRolledBack,
 )
 from coordinator.journal import (
+    DEFAULT_LAZY_DELAY,
     DEFAULT_SEGMENT_BYTES,
     Compaction,
     FileOps,
     Gate,
     Journal,
+    LazyWatch,
     Ticket,
 )
 from resource_managers.message_log import (
@@ -176,6 +178,7 @@ class Cursor:
         tombstone_seconds: float = DEFAULT_TOMBSTONE_SECONDS,
         file_ops: FileOps | None = None,
         clock_ms: Callable[[], int] = now_ms,
+        lazy_delay: float = DEFAULT_LAZY_DELAY,
         precount: int = DEFAULT_PRECOUNT,
     ) -> None:
         if max_deliveries < 1:
@@ -201,6 +204,8 @@ class Cursor:
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"cursor {self.directory}", log
         )
+        self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"cursor {directory}")
+        self._settling: set[str] = set()  # gids whose lazy commit record is not durable yet
         try:
             self._filter = StreamFilter(self._state.filter)
             for gid in list(self._state.handed):  # their process is gone: presumed abort
@@ -495,7 +500,9 @@ class Cursor:
         return gid in self._state.committed
 
     def is_prepared(self, gid: str) -> bool:
-        return gid in self._state.prepared
+        """Prepared, or committed by a lazy record not yet durable (recovery must still see it:
+        `coordinator.lazy_commit`)."""
+        return gid in self._state.prepared or gid in self._settling
 
     def branch_ids(self, gid: str) -> list[str]:
         with self._lock:
@@ -530,12 +537,51 @@ class Cursor:
             raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")
 
     def commit(self, gid: str) -> None:
-        """Delete the branch's messages (forced ``C``); nothing if it holds none."""
+        """Delete the branch's messages (forced ``C``); nothing if it holds none. A commit whose
+        lazy record is not durable yet (recovery's) returns once it is."""
+        if gid in self._settling:
+            self._lazy.flush()
+            return
         with self._lock:
             ids = self._state.branch_ids(gid)
         if ids:
             self._append({"k": "C", "g": gid, "i": ids}, force=True)
             self._compaction.maybe()
+
+    def commit_lazily(self, gid: str, on_durable: Callable[[], None]) -> None:
+        """`commit` of a prepared branch with a lazy ``C`` record: the messages are deleted now,
+        the record is carried to disk by the next forced record (or the `LazyWatch`'s own
+        fsync), and ``on_durable`` runs once it is. Until then the gid counts as prepared, so
+        recovery still re-drives it from the decision the coordinator keeps
+        (`coordinator.lazy_commit`); a crash before it only leaves the branch prepared."""
+        if gid in self._settling:
+            self._lazy.flush()
+        with self._lock:
+            ids = self._state.branch_ids(gid)
+        if not ids:
+            on_durable()
+            return
+        self._gate.enter_shared()
+        try:
+            with self._lock:
+                ticket = self._submit_locked({"k": "C", "g": gid, "i": ids}, False)
+                self._settling.add(gid)
+            self._wait(ticket)  # only a lazy backlog past its bound waits (an fsync)
+        finally:
+            self._gate.exit_shared()
+
+        def durable_now() -> None:
+            with self._lock:
+                self._settling.discard(gid)
+            on_durable()
+
+        self._lazy.watch(ticket, durable_now)
+        self._compaction.maybe()
+        self._lazy.settle()
+
+    def flush_commits(self) -> None:
+        """Make every lazy commit record durable now and run its callback."""
+        self._lazy.flush()
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
         """Make the branch's messages available again, or move those delivered ``max_deliveries``
@@ -565,8 +611,9 @@ class Cursor:
             self._append({"k": "F", "g": gid}, force=False)
 
     def prepared_gids(self) -> list[str]:
+        """Prepared branches, and those whose lazy commit record is not durable yet."""
         with self._lock:
-            return sorted(self._state.prepared)
+            return sorted({*self._state.prepared, *self._settling})
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -854,12 +901,16 @@ class Cursor:
             self._journal.wait(ticket)
         except LogWriteError as exc:
             raise self._located(exc) from exc
+        if ticket.forced:
+            self._lazy.settle()  # the lazy commit records this force carried
 
     def _write(self, record: dict[str, Any], force: bool) -> None:
         try:
             self._journal.append(encode(record), force)
         except LogWriteError as exc:
             raise self._located(exc) from exc
+        if force:
+            self._lazy.settle()
 
     def _located(self, exc: LogWriteError) -> LogWriteError:
         return LogWriteError(f"cursor {self.directory}: {exc.message}", durable=exc.durable)
@@ -886,8 +937,10 @@ class Cursor:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Write lazy records (rollbacks, forgets), fsync, release the lock."""
+        """Write lazy records (rollbacks, forgets, commits), fsync, release the lock."""
+        self._lazy.close()
         self._journal.close()
+        self._lazy.settle()
 
     def __enter__(self) -> Cursor:
         return self

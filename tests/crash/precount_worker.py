@@ -2,7 +2,7 @@
 
     python tests/crash/precount_worker.py --cursor DIR --state DIR --ledger FILE
         [--queue Q] [--batch B] [--two-phase] [--poison BODY] [--precount K]
-        [--max-deliveries L]
+        [--max-deliveries L] [--forced-commit]
 
 Opens the cursor in ``--cursor`` embedded (the process owns its journal, so a kill -9 leaves
 exactly what the journal says), a `TransactionManager` with a file decision log in ``--state``
@@ -13,6 +13,7 @@ ledger is what the application did, committed or not). One-phase (the cursor alo
 same transaction, so the cursor prepares (``P``) and commits (``C``), and the file resource says
 which handlings committed. ``--poison BODY``: the handler kills its own process (SIGKILL) when
 it gets that message, every time, as a consumer crashing on a poison message does.
+``--forced-commit``: the cursor's phase-two ``C`` is forced (``lazy_commit=False``).
 
 Prints ``DONE <handled>`` at the end.
 """
@@ -45,10 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poison")
     parser.add_argument("--precount", type=int, default=1)
     parser.add_argument("--max-deliveries", type=int, default=5)
+    parser.add_argument("--forced-commit", action="store_true")
     args = parser.parse_args(argv)
 
     cursor = Cursor(args.cursor, precount=args.precount, max_deliveries=args.max_deliveries)
-    resource = CursorResource(cursor, "cursor", args.max_deliveries)
+    resource = CursorResource(
+        cursor, "cursor", args.max_deliveries, lazy_commit=not args.forced_commit
+    )
     resources: list[Any] = [resource]
     state = Path(args.state)
     state.mkdir(parents=True, exist_ok=True)

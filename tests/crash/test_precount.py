@@ -130,8 +130,11 @@ TWO_PHASE = [
     "cursor.cursor.after_prepare:4",
     "tm.after_prepare.1:4",
     "tm.after_decision_fsync:4",
-    "cursor.cursor.after_commit:4",
+    "cursor.cursor.after_lazy_commit:4",
+    "cursor.cursor.commit_durable:4",
 ]
+FORCED_COMMIT = ["cursor.cursor.after_commit:4"]  # with the cursor's C forced (lazy_commit off)
+MODES = {"1pc": [], "2pc": ["--two-phase"], "2pc-forced": ["--two-phase", "--forced-commit"]}
 
 
 def audit(tmp_path: Path, bodies: list[str], two_phase: bool, batch: int, crashes: int) -> None:
@@ -150,19 +153,21 @@ def audit(tmp_path: Path, bodies: list[str], two_phase: bool, batch: int, crashe
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize(
-    ("two_phase", "point"),
-    [(False, p) for p in ONE_PHASE] + [(True, p) for p in TWO_PHASE],
+    ("mode", "point"),
+    [("1pc", p) for p in ONE_PHASE]
+    + [("2pc", p) for p in TWO_PHASE]
+    + [("2pc-forced", p) for p in FORCED_COMMIT],
 )
 def test_a_crash_around_a_precount_leaves_no_count_low(
-    tmp_path: Path, crash_matrix, two_phase: bool, point: str, batch: int
+    tmp_path: Path, crash_matrix, mode: str, point: str, batch: int
 ) -> None:
     ids = fill(tmp_path / "cursor")
-    extra = ["--batch", str(batch), *(["--two-phase"] if two_phase else [])]
+    extra = ["--batch", str(batch), *MODES[mode]]
     run(tmp_path, *extra, crash_at=point)
     assert_count_never_low(tmp_path, ids)
     run(tmp_path, *extra)
-    audit(tmp_path, list(ids), two_phase, batch, crashes=1)
-    crash_matrix.add(point=f"{point} ({'2pc' if two_phase else '1pc'}, batch {batch})",
+    audit(tmp_path, list(ids), mode != "1pc", batch, crashes=1)
+    crash_matrix.add(point=f"{point} ({mode}, batch {batch})",
                      expected="count >= deliveries, 0 lost",
                      outcome=f"{len(ledger(tmp_path))} handlings", resolved="cursor open",
                      recovery_ms=None)  # fmt: skip

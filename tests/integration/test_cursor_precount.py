@@ -53,11 +53,13 @@ def test_one_forced_record_per_message_one_phase(tmp_path: Path, managers: list)
         assert forced(c) - before == 1 + 20
 
 
-def test_two_forced_records_per_message_two_phase(tmp_path: Path) -> None:
-    """Two-phase (a file resource in the same transaction): ``P`` and ``C``, no ``H``."""
+@pytest.mark.parametrize("lazy_commit", [True, False])
+def test_two_phase_forces_only_the_prepare_per_message(tmp_path: Path, lazy_commit: bool) -> None:
+    """Two-phase (a file resource in the same transaction): the ``P`` and, unless the commit
+    record is lazy, the ``C``; never an ``H`` after the first receive."""
     with Cursor(tmp_path / "c") as c:
         feed(c, 10)
-        cr = CursorResource(c)
+        cr = CursorResource(c, lazy_commit=lazy_commit)
         files = FileResource("files", tmp_path / "files")
         tm = TransactionManager("m", FileDecisionLog(tmp_path / "log"), [cr, files],
                                 recovery_interval=None, reaper_interval=None)  # fmt: skip
@@ -68,7 +70,7 @@ def test_two_forced_records_per_message_two_phase(tmp_path: Path) -> None:
                     d = tx.join(cr).receive("orders")
                     assert d is not None and d.delivery_count == 1
                     tx.join(files).add(d.body.decode(), 1)
-            assert forced(c) - before == 1 + 2 * 10
+            assert forced(c) - before == 1 + (1 if lazy_commit else 2) * 10
         finally:
             tm.close()
 
