@@ -5,9 +5,11 @@
 A consumer receives and commits one message per transaction from an embedded cursor, one-phase
 (the cursor alone) and two-phase (a second cursor branch in the same transaction), with the
 cursor's pre-counted deliveries off (``precount=0``: every receive forces its own ``H``) and on
-(the default), and the phase-two commit record lazy or forced. Printed per row: the cursor's
-forced records, fsyncs and lazy records per message (`Cursor.stats`), and msg/s (small runs on
-a shared machine: read the record counts, not the speed).
+(the default), and the phase-two commit record lazy or forced; then one-phase with 4 consumers
+competing for the queue, whose receives a window of 1 pre-counts only in part (a window as large
+as the number of consumers covers them all). Printed per row: the cursor's forced records, fsyncs
+and lazy records per message (`Cursor.stats`), and msg/s (small runs on a shared machine: read
+the record counts, not the speed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -35,7 +38,7 @@ def fill(cursor: Cursor, n: int, queue: str) -> None:
     cursor.deliver_many(items)
 
 
-def row(n: int, two_phase: bool, precount: int, lazy_commit: bool) -> str:
+def row(n: int, two_phase: bool, precount: int, lazy_commit: bool, consumers: int = 1) -> str:
     work = Path(tempfile.mkdtemp(prefix="twopc-bench-cursor-"))
     cursor = Cursor(work / "c", precount=precount)
     fill(cursor, n, "orders")
@@ -46,20 +49,28 @@ def row(n: int, two_phase: bool, precount: int, lazy_commit: bool) -> str:
         resources.append(CursorResource(other, "other"))
     tm = TransactionManager("bench", FileDecisionLog(work / "log"), resources,
                             recovery_interval=None, reaper_interval=None)  # fmt: skip
+
+    def consume() -> None:
+        while True:
+            with tm.transaction() as tx:
+                if tx.join(resources[0]).receive("orders") is None:
+                    return
+                if other is not None:
+                    tx.join(resources[1]).receive("other")
+
     before, started = cursor.stats(), time.perf_counter()
-    for _ in range(n):
-        with tm.transaction() as tx:
-            if tx.join(resources[0]).receive("orders") is None:
-                raise SystemExit("ran dry")
-            if other is not None:
-                tx.join(resources[1]).receive("other")
+    threads = [threading.Thread(target=consume) for _ in range(consumers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     tm.close()
     seconds = time.perf_counter() - started
     after = cursor.stats()
     cursor.close()
     if other is not None:
         other.close()
-    kind = "two-phase" if two_phase else "one-phase"
+    kind = "two-phase" if two_phase else "one-phase" if consumers == 1 else f"1pc {consumers} cons."
     commit = "" if not two_phase else (" lazy C" if lazy_commit else " forced C")
     return (f"{kind + commit:<20} precount {precount:<3} "
             f"forced/msg {(after.forced_records - before.forced_records) / n:5.2f}  "
@@ -75,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for two_phase, lazy in ((False, True), (True, False), (True, True)):
         for precount in (0, DEFAULT_PRECOUNT):
             print(row(args.messages, two_phase, precount, lazy), flush=True)
+    for precount in (0, DEFAULT_PRECOUNT, 4):
+        print(row(args.messages, False, precount, True, consumers=4), flush=True)
     return 0
 
 

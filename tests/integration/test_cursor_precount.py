@@ -277,3 +277,38 @@ def test_a_receive_waits_for_the_record_that_precounted(tmp_path: Path, fail: bo
             c.close()
     else:
         c.close()
+
+
+@pytest.mark.parametrize("precount", [1, 4])
+def test_competing_consumers_each_message_once_counted_once(
+    tmp_path: Path, managers: list, precount: int
+) -> None:
+    """Four consumers race for one queue, one message per transaction, their commits pre-counting
+    what the others are about to take: every message is handed out once, with a count of 1 (a
+    pre-count and a forced H never both raise a message), and receives forced fewer records."""
+    with Cursor(tmp_path / "c", precount=precount) as c:
+        feed(c, 200)
+        cr = CursorResource(c)
+        tm = make_manager(managers, [cr])
+        seen: list[tuple[bytes, int]] = []
+        lock = threading.Lock()
+        before = forced(c)
+
+        def consume() -> None:
+            while True:
+                with tm.transaction() as tx:
+                    d = tx.join(cr).receive("orders")
+                    if d is None:
+                        return
+                    with lock:
+                        seen.append((d.body, d.delivery_count))
+
+        threads = [threading.Thread(target=consume) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(b for b, _ in seen) == sorted(str(i).encode() for i in range(1, 201))
+        assert {n for _, n in seen} == {1}
+        assert forced(c) - before < 2 * 200  # without pre-counts: an H and a C each
+        assert c.stats().available == 0
