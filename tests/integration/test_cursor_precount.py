@@ -15,9 +15,10 @@ import pytest
 
 from coordinator import FileDecisionLog, LogWriteError, TransactionManager
 from coordinator.journal import OsFileOps
-from resource_managers.cursor import Cursor, CursorResource
+from resource_managers.cursor import Cursor, CursorResource, subscription_queue
 from resource_managers.message_log import Message
 from resource_managers.sequencing import Frame
+from tests.integration.test_topics import TOPIC, pub, publish, run
 from tests.support.file_resource import FileResource
 from tests.support.managers import make_manager
 
@@ -312,3 +313,24 @@ def test_competing_consumers_each_message_once_counted_once(
         assert {n for _, n in seen} == {1}
         assert forced(c) - before < 2 * 200  # without pre-counts: an H and a C each
         assert c.stats().available == 0
+
+
+def test_subscription_queues_are_precounted_per_copy(tmp_path: Path) -> None:
+    """A topic copy is keyed ``<id>@<subscription queue>``: pre-counting one subscriber's copies
+    raises nothing in another's, and survives a restart like a queue's."""
+    s1, s2 = subscription_queue(TOPIC, "s1"), subscription_queue(TOPIC, "s2")
+    with Cursor(tmp_path / "c") as c:
+        c.subscribe(TOPIC, "s1")
+        c.subscribe(TOPIC, "s2")
+        publish(c, pub("p0-0"), pub("p0-1"), pub("p0-2"))
+        run(c)
+        assert c.take("g1", s1) is not None  # forced H, pre-counts p0-1@s1
+        c.commit_one_phase("g1")  # pre-counts p0-2@s1
+        before = forced(c)
+        d = c.take("g2", s1)
+        assert d is not None and d.message_id == "p0-1" and d.delivery_count == 1
+        assert forced(c) == before
+        c.commit_one_phase("g2")
+    with Cursor(tmp_path / "c") as c:
+        assert [x.delivery_count for x in c.available(s1)] == [1]  # pre-counted, not delivered
+        assert [x.delivery_count for x in c.available(s2)] == [0, 0, 0]
