@@ -64,9 +64,10 @@ class ConsumerBranch:
     def receive_many(
         self, destination: str, max_messages: int, timeout: float | None = 0.0
     ) -> list[Delivery]:
-        """Up to ``max_messages`` messages of ``destination`` in order, in one forced record:
-        waits up to ``timeout`` for the first, then takes what is there. A batch consumer pays
-        one fsync for the lot instead of one per message."""
+        """Up to ``max_messages`` messages of ``destination`` in order, in one forced record at
+        most (none for messages an earlier forced record pre-counted): waits up to ``timeout``
+        for the first, then takes what is there. A batch consumer pays one fsync for the lot
+        instead of one per message."""
         if self.closed:
             raise IllegalStateError(f"{self._resource.name}: receive after the branch ended")
         validate_destination(destination)
