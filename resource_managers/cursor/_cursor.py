@@ -475,14 +475,14 @@ class Cursor:
                 taken = Counter(self._state.entries[k].queue for k in record["i"]
                                 if k in self._state.entries)  # fmt: skip
                 ticket, granted = self._submit_precounting(record, dict(taken))
+            durable = False
             try:
                 self._wait(ticket)
-            except BaseException:
-                self._settle(granted, False)
-                raise
-            if granted is not None:
-                crash_point("cursor.after_precount")
-            self._settle(granted, True)
+                durable = True
+                if granted is not None:
+                    crash_point("cursor.after_precount")
+            finally:  # a receive may be waiting on these credits: never leave them pending
+                self._settle(granted, durable)
         finally:
             self._gate.exit_shared()
 
