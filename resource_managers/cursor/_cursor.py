@@ -206,6 +206,7 @@ class Cursor:
         )
         self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"cursor {directory}")
         self._settling: set[str] = set()  # gids whose lazy commit record is not durable yet
+        self._last_accept: Ticket | None = None  # the newest lazy M record (`deliver_lazily`)
         try:
             self._filter = StreamFilter(self._state.filter)
             for gid in list(self._state.handed):  # their process is gone: presumed abort
@@ -254,8 +255,71 @@ class Cursor:
         with self._stream_lock(frame.stream):
             decision = self.offer(frame)
             if decision.ack is not None:
+                self._filter_durable()
                 return decision.ack
             return self.accept(message, decision)
+
+    def deliver_lazily(
+        self, items: Sequence[tuple[Frame, Message]], send: Callable[[list[Ack]], None]
+    ) -> None:
+        """`deliver_many` whose ``M`` records are not forced: they are applied at once (the
+        messages available, the filter advanced) and ``send`` gets the acknowledgments only once
+        the records are durable — carried by the cursor's next forced record (a consumer's
+        prepare or commit, which the journal writes after them) or by an fsync of its own
+        ``lazy_delay`` later. The log discards a message only on its acknowledgment, so a crash
+        before then loses nothing: the log resends. A re-acknowledgment (a batch of duplicates)
+        waits likewise for every accepted record before it, since the filter it reports may be
+        ahead of the disk. ``send`` may run on another thread; if a record's write fails it
+        never runs (the journal refuses writes from then on)."""
+        self._check_batch(items)
+        streams = sorted({frame.stream for frame, _ in items})
+        with ExitStack() as stack:
+            for stream in streams:
+                stack.enter_context(self._stream_lock(stream))
+            records, trial = self._trial(items, streams)
+            self._gate.enter_shared()
+            try:
+                with self._lock:
+                    for record, decision in records:
+                        self._last_accept = self._submit_locked(record, False)
+                        self._filter.accepted(decision)
+                    for verdict, n in trial.counts.items():
+                        self._filter.counts[verdict] += n
+                    if records:
+                        self.changed.notify_all()
+                    ticket = self._last_accept
+                    acks = [self._filter.ack_for(stream) for stream in streams]
+            finally:
+                self._gate.exit_shared()
+        if ticket is None or (ticket.done and ticket.error is None):
+            send(acks)
+        else:
+            self._lazy.watch(ticket, lambda: send(acks))
+            self._lazy.settle()
+        self._compaction.maybe()
+
+    def _check_batch(self, items: Sequence[tuple[Frame, Message]]) -> None:
+        for frame, message in items:  # the whole batch is judged before a record is written
+            if frame.message_id != message.message_id:
+                raise ProgrammingError(
+                    f"frame {frame.message_id} carries message {message.message_id}"
+                )
+            check_message(message)
+
+    def _trial(
+        self, items: Sequence[tuple[Frame, Message]], streams: list[str]
+    ) -> tuple[list[tuple[dict[str, Any], Decision]], StreamFilter]:
+        """Under the streams' locks: judge the batch in arrival order on a copy of the filter;
+        the ``M`` records of the accepted ones, and the copy (its verdict counts)."""
+        with self._lock:
+            trial = StreamFilter({s: self._filter.state(s) for s in streams})
+        records: list[tuple[dict[str, Any], Decision]] = []
+        for frame, message in items:
+            decision = trial.offer(frame)
+            if decision.verdict.accepts:
+                trial.accepted(decision)
+                records.append((self._accept_record(message, decision), decision))
+        return records, trial
 
     def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
         """Judge a batch of frames in arrival order, persist every accepted message with its
@@ -267,32 +331,29 @@ class Cursor:
         `InvalidMessageError` writes nothing. A record that fails to write leaves the batch
         unadopted and unacknowledged; the journal is then poisoned (nothing more is written),
         so no later record can contradict it."""
-        for frame, message in items:  # the whole batch is judged before a record is written
-            if frame.message_id != message.message_id:
-                raise ProgrammingError(
-                    f"frame {frame.message_id} carries message {message.message_id}"
-                )
-            check_message(message)
+        self._check_batch(items)
         streams = sorted({frame.stream for frame, _ in items})
         with ExitStack() as stack:
             for stream in streams:
                 stack.enter_context(self._stream_lock(stream))
-            with self._lock:
-                trial = StreamFilter({s: self._filter.state(s) for s in streams})
-            records: list[tuple[dict[str, Any], Decision]] = []
-            for frame, message in items:
-                decision = trial.offer(frame)
-                if decision.verdict.accepts:
-                    trial.accepted(decision)
-                    records.append((self._accept_record(message, decision), decision))
+            records, trial = self._trial(items, streams)
             if records:
                 self._persist_batch(records)
             with self._lock:
                 for verdict, n in trial.counts.items():
                     self._filter.counts[verdict] += n
                 acks = [self._filter.ack_for(stream) for stream in streams]
+        self._filter_durable()
         self._compaction.maybe()
         return acks
+
+    def _filter_durable(self) -> None:
+        """Before the filter's state is reported as an acknowledgment: make every lazily
+        written ``M`` record durable (`deliver_lazily`), or the log could discard a message
+        that a crash then takes from the cursor."""
+        ticket = self._last_accept
+        if ticket is not None and not ticket.done:
+            self._lazy.flush()
 
     def _accept_record(self, message: Message, decision: Decision) -> dict[str, Any]:
         """The ``M`` record, with the seed-004 verdict in it (``j``: rejected, a transactional
@@ -330,6 +391,8 @@ class Cursor:
             return self._stream_locks.setdefault(stream, threading.RLock())
 
     def ack_for(self, stream: str) -> Ack:
+        """Where ``stream`` stands, on disk."""
+        self._filter_durable()
         with self._lock:
             return self._filter.ack_for(stream)
 
