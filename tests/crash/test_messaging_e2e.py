@@ -117,9 +117,11 @@ CRASHES = [
     ("producer-p0", "tm.after_prepare.2:3"),
     ("producer-p0", "tm.after_decision_fsync:3"),
     ("producer-p0", "tm.after_commit.1:3"),
+    ("producer-p0", "remote.mlog.commit_sent:3"),  # phase two sent, its answer not awaited
     ("consumer-c0", "tm.after_prepare.1:4"),
     ("consumer-c0", "tm.after_decision_fsync:4"),
     ("consumer-c0", "tm.after_commit.1:4"),
+    ("consumer-c0", "remote.cursor.commit_sent:4"),
 ]
 
 
