@@ -281,8 +281,12 @@ class Cursor:
             try:
                 with self._lock:
                     for record, decision in records:
+                        fresh = self._fresh_arrival(record)
                         self._last_accept = self._submit_locked(record, False)
                         self._filter.accepted(decision)
+                        credit = _precount.grant(self._state, self._arrived(record, fresh))
+                        if credit is not None:  # pending until the lazy record is on disk
+                            credit.ticket = self._last_accept
                     for verdict, n in trial.counts.items():
                         self._filter.counts[verdict] += n
                     if records:
@@ -314,11 +318,12 @@ class Cursor:
         with self._lock:
             trial = StreamFilter({s: self._filter.state(s) for s in streams})
         records: list[tuple[dict[str, Any], Decision]] = []
+        ahead: Counter[str] = Counter()
         for frame, message in items:
             decision = trial.offer(frame)
             if decision.verdict.accepts:
                 trial.accepted(decision)
-                records.append((self._accept_record(message, decision), decision))
+                records.append((self._accept_record(message, decision, ahead), decision))
         return records, trial
 
     def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
@@ -355,16 +360,28 @@ class Cursor:
         if ticket is not None and not ticket.done:
             self._lazy.flush()
 
-    def _accept_record(self, message: Message, decision: Decision) -> dict[str, Any]:
+    def _accept_record(
+        self, message: Message, decision: Decision, ahead: Counter[str] | None = None
+    ) -> dict[str, Any]:
         """The ``M`` record, with the seed-004 verdict in it (``j``: rejected, a transactional
         message at a non-transactional queue) so that applying it never depends on the queue's
         kind at that moment: an ``M`` is written before it is applied, and a ``T`` may land
-        between the two."""
+        between the two. ``p``: the message is pre-counted at arrival (`_precount.on_arrival`;
+        ``ahead``: the batch's earlier messages per destination, not applied yet)."""
         record = {"k": "M", "q": decision.frame.stream, "e": decision.after.epoch,
                   "n": decision.after.last, "o": message_obj(message)}  # fmt: skip
+        destination = message.destination
         with self._lock:
-            if message.transactional and message.destination in self._state.non_transactional:
+            if message.transactional and destination in self._state.non_transactional:
                 record["j"] = True
+            elif not is_topic(destination) and not decision.frame.stream.endswith(VOLATILE_SUFFIX):
+                waiting = 0 if ahead is None else ahead[destination]
+                if _precount.on_arrival(
+                    self._state, destination, waiting, self.precount, self.max_deliveries
+                ):
+                    record["p"] = [message.message_id]
+                if ahead is not None:
+                    ahead[destination] += 1
         return record
 
     def _persist_batch(self, records: list[tuple[dict[str, Any], Decision]]) -> None:
@@ -379,12 +396,29 @@ class Cursor:
             for i, (record, _) in enumerate(records):
                 self._write(record, force=i == last_forced)
             with self._lock:
+                keys: list[str] = []
                 for record, decision in records:
-                    self._state.apply(record)
+                    keys += self._apply_arrival(record)
                     self._filter.accepted(decision)
+                credit = _precount.grant(self._state, keys)  # durable: written above
+                if credit is not None:
+                    credit.durable = True
                 self.changed.notify_all()
         finally:
             self._gate.exit_shared()
+
+    def _fresh_arrival(self, record: dict[str, Any]) -> bool:
+        """Under the lock, before applying an ``M``: would its pre-count make a new entry?"""
+        return "p" in record and record["p"][0] not in self._state.entries
+
+    def _arrived(self, record: dict[str, Any], fresh: bool) -> list[str]:
+        """After applying it: the key its ``p`` raised (none if the message was there before)."""
+        return record["p"] if fresh and record["p"][0] in self._state.entries else []
+
+    def _apply_arrival(self, record: dict[str, Any]) -> list[str]:
+        fresh = self._fresh_arrival(record)
+        self._state.apply(record)
+        return self._arrived(record, fresh)
 
     def _stream_lock(self, stream: str) -> threading.RLock:
         with self._lock:
@@ -493,10 +527,15 @@ class Cursor:
         receive racing another branch's prepare finds one pending)."""
         if not credits:
             return
+        if any(c.ticket is not None and _precount.durable(c) is None for c in credits):
+            try:  # a lazily written arrival (`deliver_lazily`) not on disk yet: make it so
+                self._journal.flush()
+            except LogWriteError as exc:
+                raise self._located(exc) from exc
         with self.changed:
-            while any(c.durable is None for c in credits):
+            while any(_precount.durable(c) is None for c in credits):
                 self.changed.wait()
-        if not all(c.durable for c in credits):
+        if not all(_precount.durable(c) for c in credits):
             raise LogWriteError(
                 f"cursor {self.directory}: the record that pre-counted these messages failed",
                 durable=False,
@@ -548,6 +587,20 @@ class Cursor:
                 self._settle(granted, durable)
         finally:
             self._gate.exit_shared()
+
+    def _give_back_credits(self) -> None:
+        """At a clean close, lower again the counts pre-counted for messages never handed out
+        (a lazy ``G``, written before the close's fsync), so only a crash leaves them one high.
+        Only durable credits: the record that raised each is before the ``G`` in the journal."""
+        with self._lock:
+            keys = [k for k, e in self._state.entries.items()
+                    if e.credit is not None and _precount.durable(e.credit)]  # fmt: skip
+        if not keys:
+            return
+        try:
+            self._append({"k": "G", "i": keys}, force=False)
+        except LogWriteError as exc:  # a refusing journal: the counts just stay one high
+            log.warning("cursor %s: unused pre-counts not given back: %s", self.directory, exc)
 
     def _settle(self, credit: Credit | None, durable: bool) -> None:
         if credit is None or credit.durable is not None:
@@ -1000,7 +1053,9 @@ class Cursor:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Write lazy records (rollbacks, forgets, commits), fsync, release the lock."""
+        """Give back unused pre-counts (a lazy ``G``), write lazy records (rollbacks, forgets,
+        commits), fsync, release the lock."""
+        self._give_back_credits()
         self._lazy.close()
         self._journal.close()
         self._lazy.settle()

@@ -65,6 +65,23 @@ def window(
     return out
 
 
+def durable(credit: Credit) -> bool | None:
+    """Whether the record behind ``credit`` is durable (None: not known yet)."""
+    if credit.ticket is not None and credit.durable is None:
+        return (credit.ticket.error is None) if credit.ticket.done else None
+    return credit.durable
+
+
+def on_arrival(state: CursorState, queue: str, ahead: int, precount: int, limit: int) -> bool:
+    """Whether an arriving message's ``M`` pre-counts it: a queue (not a topic's input) with
+    fewer than ``precount`` messages waiting, ``ahead`` of them still being written, so a
+    consumer that keeps up (the queue empty between messages: no ``P`` finds a next message to
+    pre-count) forces no ``H`` either; the same bound on what a crash leaves one high."""
+    if precount < 1 or limit < 2:
+        return False
+    return len(state.available.get(queue, ())) + ahead < precount
+
+
 def grant(state: CursorState, keys: list[str]) -> Credit | None:
     """Give each key a credit (pending until its record is durable), right after the record
     that raised them was queued and applied."""

@@ -46,11 +46,14 @@ class Credit:
     written, then True, or False if it failed. A delivery may consume a credit only once it
     is durable (a receive that finds it pending waits), so a count is never low."""
 
-    __slots__ = ("durable", "keys")
+    __slots__ = ("durable", "keys", "ticket")
 
-    def __init__(self, keys: list[str]) -> None:
+    def __init__(self, keys: list[str], ticket: Any = None) -> None:
         self.keys = keys
         self.durable: bool | None = None
+        #: a lazy record's journal ticket (an ``M`` pre-counted at arrival): durable once done
+        #: without error, instead of being settled by a writer thread
+        self.ticket = ticket
 
 
 @dataclass
@@ -228,6 +231,14 @@ class CursorState:
     def _rollback_record(self, r: dict[str, Any]) -> None:
         self._rollback(r["g"], r["t"], r["i"], r["x"])
 
+    def _given_back(self, r: dict[str, Any]) -> None:
+        """``G``: pre-counts a clean close found unused (their messages never handed out)."""
+        for key in r["i"]:
+            entry = self.entries.get(key)
+            if entry is not None and entry.count > 0:
+                entry.count -= 1
+                entry.credit = None
+
     def _forget(self, r: dict[str, Any]) -> None:
         self.tombstones.pop(r["g"], None)
 
@@ -321,6 +332,7 @@ class CursorState:
             self._add(entry)
             self._nack(message)
         else:
+            entry.count = 1 if r.get("p") else 0  # pre-counted at arrival: its own key
             self._add(entry)
 
     def _nack(self, message: Message) -> None:
@@ -482,5 +494,5 @@ _APPLY = {
     "P": "_prepare_record", "C": "_commit_record", "R": "_rollback_record", "F": "_forget",
     "X": "_expired_dropped", "W": "_expired_moved", "T": "_queue_kind", "U": "_subscribed",
     "V": "_unsubscribed", "I": "_taken", "K": "_copied", "N": "_monitored", "E": "_finished",
-    "Y": "_replayed", "Z": "_purged",
+    "Y": "_replayed", "Z": "_purged", "G": "_given_back",
 }  # fmt: skip

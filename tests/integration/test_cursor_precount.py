@@ -40,8 +40,9 @@ def forced(c: Cursor) -> int:
 
 
 def test_one_forced_record_per_message_one_phase(tmp_path: Path, managers: list) -> None:
-    """At one message per transaction with the cursor alone: the first receive forces an ``H``
-    (pre-counting the next message), then each message costs only its one-phase ``C``."""
+    """At one message per transaction with the cursor alone each message costs only its
+    one-phase ``C``: the first was pre-counted at arrival (the queue was empty), each later one
+    by the commit before it."""
     with Cursor(tmp_path / "c") as c:
         feed(c, 20)
         cr = CursorResource(c)
@@ -51,7 +52,7 @@ def test_one_forced_record_per_message_one_phase(tmp_path: Path, managers: list)
             with tm.transaction() as tx:
                 d = tx.join(cr).receive("orders")
                 assert d is not None and d.delivery_count == 1 and not d.redelivered
-        assert forced(c) - before == 1 + 20
+        assert forced(c) - before == 20
 
 
 @pytest.mark.parametrize("lazy_commit", [True, False])
@@ -71,7 +72,7 @@ def test_two_phase_forces_only_the_prepare_per_message(tmp_path: Path, lazy_comm
                     d = tx.join(cr).receive("orders")
                     assert d is not None and d.delivery_count == 1
                     tx.join(files).add(d.body.decode(), 1)
-            assert forced(c) - before == 1 + (1 if lazy_commit else 2) * 10
+            assert forced(c) - before == (1 if lazy_commit else 2) * 10
         finally:
             tm.close()
 
@@ -99,22 +100,24 @@ def test_max_deliveries_1_never_precounts(tmp_path: Path) -> None:
         assert forced(c) - before == 2 * 3
 
 
-def test_counts_exact_while_open_one_high_after_a_restart(tmp_path: Path) -> None:
+def test_counts_exact_while_open_and_after_a_clean_close(tmp_path: Path) -> None:
+    """A clean close gives unused pre-counts back (a lazy ``G``): only a crash leaves a count
+    one high (`tests/crash/test_precount.py`)."""
     with Cursor(tmp_path / "c") as c:
         first, second, third = feed(c, 3)
         d = c.take("g1", "orders")
         assert d is not None and d.message_id == first
+        c.commit_one_phase("g1")  # pre-counts the second
         assert c.delivery_count(second) == 0  # pre-counted, not yet delivered
-        c.commit_one_phase("g1")
         d = c.take("g2", "orders")
         assert d is not None and d.message_id == second and d.delivery_count == 1
         c.commit_one_phase("g2")  # pre-counts the third
         assert [x.delivery_count for x in c.available("orders")] == [0]
-    with Cursor(tmp_path / "c") as c:  # the credit is gone, the raised count stays
-        assert c.delivery_count(third) == 1
+    with Cursor(tmp_path / "c") as c:
+        assert c.delivery_count(third) == 0
         before = forced(c)
         d = c.take("g3", "orders")
-        assert d is not None and d.delivery_count == 2 and d.redelivered
+        assert d is not None and d.delivery_count == 1 and not d.redelivered
         assert forced(c) - before == 1  # no credit after a restart: its own forced H
 
 
@@ -131,8 +134,8 @@ def test_old_journals_replay_and_p_replays_raising_counts(tmp_path: Path) -> Non
             c.prepare("g2")
         with Cursor(directory, precount=0) as c:
             counts = [c.delivery_count(i) for i in ids]
-            # ids[0] delivered twice and prepared; ids[1] pre-counted by precount 1's receives
-            assert counts == [2, precount, 0], precount
+            # ids[0] delivered twice and prepared; ids[1]'s pre-count given back at the close
+            assert counts == [2, 0, 0], precount
             assert c.prepared_gids() == ["g2"]
 
 
@@ -224,12 +227,13 @@ class BlockingOps(OsFileOps):
 
 def _pending_credit(tmp_path: Path) -> tuple[Cursor, BlockingOps, list[str]]:
     """A cursor where g1's prepare is writing its ``P`` (fsync blocked) which pre-counts the
-    third message; the second is held by g2 (credited)."""
+    fourth message; the first three are held by g1, g2, g3."""
     ops = BlockingOps()
     c = Cursor(tmp_path / "c", file_ops=ops)
-    ids = feed(c, 3)
-    assert c.take("g1", "orders") is not None  # H pre-counts the second
-    assert c.take("g2", "orders") is not None  # credited
+    ids = feed(c, 4)
+    assert c.take("g1", "orders") is not None  # pre-counted at arrival (an empty queue)
+    assert c.take("g2", "orders") is not None  # its forced H pre-counts the third
+    assert c.take("g3", "orders") is not None  # credited
     return c, ops, ids
 
 
@@ -254,7 +258,7 @@ def test_a_receive_waits_for_the_record_that_precounted(tmp_path: Path, fail: bo
 
     def receive() -> None:
         try:
-            got.append(c.take("g3", "orders"))
+            got.append(c.take("g4", "orders"))
         except LogWriteError as exc:
             got.append(exc)
 
@@ -268,10 +272,10 @@ def test_a_receive_waits_for_the_record_that_precounted(tmp_path: Path, fail: bo
     receiver.join(10)
     if fail:
         assert len(errors) == 1 and isinstance(got[0], LogWriteError)
-        assert c.available("orders")[0].message_id == ids[2]
+        assert c.available("orders")[0].message_id == ids[3]
     else:
         d = got[0]
-        assert not errors and getattr(d, "message_id", None) == ids[2]
+        assert not errors and getattr(d, "message_id", None) == ids[3]
         assert getattr(d, "delivery_count", None) == 1 and forced(c) == before
     if fail:  # the journal refuses writes until reopened
         with pytest.raises(LogWriteError):
@@ -317,7 +321,7 @@ def test_competing_consumers_each_message_once_counted_once(
 
 def test_subscription_queues_are_precounted_per_copy(tmp_path: Path) -> None:
     """A topic copy is keyed ``<id>@<subscription queue>``: pre-counting one subscriber's copies
-    raises nothing in another's, and survives a restart like a queue's."""
+    raises nothing in another's, and is given back at a clean close like a queue's."""
     s1, s2 = subscription_queue(TOPIC, "s1"), subscription_queue(TOPIC, "s2")
     with Cursor(tmp_path / "c") as c:
         c.subscribe(TOPIC, "s1")
@@ -332,5 +336,5 @@ def test_subscription_queues_are_precounted_per_copy(tmp_path: Path) -> None:
         assert forced(c) == before
         c.commit_one_phase("g2")
     with Cursor(tmp_path / "c") as c:
-        assert [x.delivery_count for x in c.available(s1)] == [1]  # pre-counted, not delivered
+        assert [x.delivery_count for x in c.available(s1)] == [0]  # pre-count given back
         assert [x.delivery_count for x in c.available(s2)] == [0, 0, 0]

@@ -3,7 +3,8 @@ and how the state replays the ``p`` field: pure code, no journal."""
 
 from __future__ import annotations
 
-from resource_managers.cursor._precount import grant, settle, window
+from resource_managers.cursor._precount import grant, on_arrival, settle, window
+from resource_managers.cursor._records import message_obj
 from resource_managers.cursor._state import CursorState, Entry
 from resource_managers.message_log import Message
 
@@ -62,3 +63,19 @@ def test_replaying_p_raises_counts_whatever_the_records_own_verdict() -> None:
     state.apply({"k": "C", "g": "g2", "i": ["m0"], "p": ["gone"]})
     assert {k: e.count for k, e in state.entries.items()} == {"m1": 2, "m2": 1}
     assert state.handed == {"g3": ["m1"]}
+
+
+def test_an_arrival_precounts_itself_only_into_a_short_queue() -> None:
+    state = state_with(0)
+    assert on_arrival(state, "q", 0, 2, 5) and not on_arrival(state, "q", 1, 2, 5)
+    assert not on_arrival(state, "q", 0, 1, 5)  # one waiting already fills a window of 1
+    assert on_arrival(state, "empty", 0, 1, 5) and not on_arrival(state, "empty", 0, 1, 1)
+    state.apply({"k": "M", "q": "q", "e": 1, "n": 1, "p": ["a"],
+                 "o": message_obj(Message("a", "q", b""))})  # fmt: skip
+    assert state.entries["a"].count == 1
+
+
+def test_a_clean_close_gives_unused_precounts_back() -> None:
+    state = state_with(1, 1, 0)
+    state.apply({"k": "G", "i": ["m0", "m2", "gone"]})
+    assert [state.entries[k].count for k in ("m0", "m1", "m2")] == [0, 1, 0]
