@@ -16,9 +16,10 @@ crashing its consumer, which would then never reach the dead-letter queue. The r
 forced ``H`` record written before ``receive`` returns, or a *pre-count* (`._precount`): a forced
 record the consumer side writes anyway (a branch's ``P``, a one-phase ``C``, an ``H``) raises in
 its ``p`` field the counts of the next never-delivered messages of the queues that branch used,
-and handing one of those out consumes its in-memory credit and writes only a lazy ``H`` (``c``
-0). So a steady consumer at one message per transaction forces one record per side, not two. A
-crash leaves pre-counted messages not yet handed out reading one high. In exchange for the forced
+or an arriving message's ``M`` raises its own (into a short queue); handing one of those out
+consumes its in-memory credit and writes only a lazy ``H`` (``c`` 0). So a steady consumer at
+one message per transaction forces one record per side, not two. A clean close gives unused
+pre-counts back (a lazy ``G``); a crash leaves them reading one high. In exchange for the forced
 raise the rollback record is lazy: if it is lost, the replay still has the ``H`` (or the ``P``),
 and on open every branch handed out and not prepared (its process is gone) is rolled back again,
 and a prepared one waits for recovery's decision.

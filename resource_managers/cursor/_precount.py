@@ -4,10 +4,12 @@ A delivery count must be durable before its message is handed out (a consumer th
 handler, a poison message, must see the count rise each time), but it may be raised early. So a
 forced record a consumer branch writes anyway (its ``P``, a one-phase ``C``, a receive's own
 ``H``) also raises, in its ``p`` field, the counts of the next messages waiting in the queues the
-branch received from; each gets a `Credit`, and handing it out consumes the credit instead of
-writing a forced ``H``. Credits live in memory only: after a crash the raised counts stay, so a
-message pre-counted and never handed out reads one high at its next delivery (JMS lets a count be
-high, never low).
+branch received from; and an arriving message's ``M`` raises its own when its queue is short
+(`on_arrival`: a consumer that keeps up leaves nothing waiting for a ``P`` to pre-count). Each
+gets a `Credit`, and handing it out consumes the credit instead of writing a forced ``H``.
+Credits live in memory only; a clean close gives the unused ones back (a lazy ``G``), and after a
+crash the raised counts stay, so a message pre-counted and never handed out reads one high at
+its next delivery (JMS lets a count be high, never low).
 
 Only never-delivered messages are pre-counted (count 0, not a dead letter), so a count is high by
 at most one, however often the consumer crashes: a redelivery is counted by its own forced ``H``.
