@@ -91,19 +91,19 @@ STORE_FIELDS = ("forced_records", "fsyncs", "lazy_records")
 PG_FIELDS = ("commit", "prepare", "commit_prepared", "round_trips")
 #: which step a store's crash points belong to, for the table's "crash points" column
 CRASH_POINTS = {
-    ("producer", "message log"): "mlog.mlog.after_prepare, mlog.mlog.after_append, "
-    "mlog.mlog.after_commit",
+    ("producer", "message log"): "mlog.mlog.after_prepare, mlog.mlog.after_lazy_commit, "
+    "mlog.mlog.commit_durable (forced commit: mlog.mlog.after_append, mlog.mlog.after_commit)",
     ("producer", "decision log"): "tm.before_decision_write, tm.after_decision_fsync, "
-    "tm.before_end_record",
+    "tm.before_end_record, tm.end_deferred, tm.before_deferred_end",
     ("producer", "PostgreSQL"): "tm.after_prepare.N, tm.llr.before_commit, tm.llr.after_commit, "
     "tm.after_commit.N",
     ("transfer", "wire"): "xfer.log.after_send, xfer.cursor.after_ack",
     ("transfer", "cursor"): "xfer.cursor.after_persist",
     ("transfer", "message log"): "xfer.log.before_compact",
     ("consumer", "cursor"): "cursor.cursor.after_receive, cursor.cursor.after_prepare, "
-    "cursor.cursor.after_commit",
+    "cursor.cursor.after_lazy_commit, cursor.cursor.commit_durable",
     ("consumer", "decision log"): "tm.before_decision_write, tm.after_decision_fsync, "
-    "tm.before_end_record",
+    "tm.before_end_record, tm.end_deferred, tm.before_deferred_end",
     ("consumer", "PostgreSQL"): "tm.after_prepare.N, tm.llr.before_commit, tm.llr.after_commit, "
     "tm.after_commit.N",
 }
