@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from coordinator.errors import ConfigurationError
-from resource_managers.cursor import DEFAULT_MAX_DELIVERIES
+from resource_managers.cursor import DEFAULT_MAX_DELIVERIES, DEFAULT_PRECOUNT
 from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES
 
 from .auth import SharedSecret, TlsConfig
@@ -50,6 +50,11 @@ def register(sub: Any) -> None:
     cur_p = kinds.add_parser("cursor", help="a cursor: transfer intake and consumer service")
     _common(cur_p, default_listen="127.0.0.1:7402")
     cur_p.add_argument("--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES)
+    cur_p.add_argument(
+        "--precount", type=int, default=DEFAULT_PRECOUNT,
+        help="messages per queue a consumer's forced record pre-counts, so their receives "
+        "force nothing (0: every receive forces its own record)",
+    )  # fmt: skip
     cur_p.add_argument(
         "--dispatch-workers", type=int, default=DEFAULT_DISPATCH_WORKERS,
         help="topic dispatcher threads (0: no topic dispatch; publications wait)",
@@ -133,5 +138,6 @@ def run_cursor(args: argparse.Namespace) -> int:
         tls_server=tls.server_context() if tls else None,
         max_deliveries=args.max_deliveries,
         dispatch_workers=args.dispatch_workers,
+        precount=args.precount,
     )
     return _serve_until_signalled(server, server.address)

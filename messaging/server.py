@@ -25,7 +25,12 @@ from collections.abc import Callable
 from types import TracebackType
 
 from coordinator.errors import ConfigurationError
-from resource_managers.cursor import DEFAULT_MAX_DELIVERIES, Cursor, CursorResource
+from resource_managers.cursor import (
+    DEFAULT_MAX_DELIVERIES,
+    DEFAULT_PRECOUNT,
+    Cursor,
+    CursorResource,
+)
 from resource_managers.message_log import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MessageLog,
@@ -139,8 +144,9 @@ class CursorServer:
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         resource_name: str = "cursor",
         dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
+        precount: int = DEFAULT_PRECOUNT,
     ) -> None:
-        self.cursor = Cursor(directory, max_deliveries=max_deliveries)
+        self.cursor = Cursor(directory, max_deliveries=max_deliveries, precount=precount)
         self.resource = CursorResource(self.cursor, resource_name, max_deliveries)
         self.receiver = TransferReceiver(self.cursor)
         try:

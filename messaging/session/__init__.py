@@ -3,9 +3,10 @@
 A `Session` is what a JMS client holds: it sends to the message log and receives from the
 cursor, and its `AckMode` says when what it received is *acknowledged*, that is when the cursor
 deletes it. Every acknowledgment here is a real cursor transaction through the
-`TransactionManager`: taking a message writes the cursor's forced ``H`` record (its delivery
-count raised), acknowledging commits the transaction (the forced ``C`` record, or two-phase when
-other branches joined), and anything not acknowledged when the process dies comes back at the
+`TransactionManager`: taking a message raises its delivery count durably first (the cursor's
+forced ``H`` record, or the pre-count the previous acknowledgment's forced record made),
+acknowledging commits the transaction (the forced ``C`` record, or two-phase when other branches
+joined), and anything not acknowledged when the process dies comes back at the
 cursor's next open with ``redelivered`` set and its count kept. So the guarantee of each mode is
 exactly which transaction a crash can catch open:
 
@@ -17,9 +18,10 @@ exactly which transaction a crash can catch open:
   (JMS: acknowledging one message acknowledges every message the session delivered); `recover`
   rolls it back. A crash brings back everything since the last acknowledge.
 - ``DUPS_OK``: lazy, batched acknowledgment. Up to ``dups_ok_batch`` messages are taken with
-  one ``receive_many`` (one forced record) and committed once the whole batch has been handed
-  out and handled (one more). Two fsyncs per batch instead of two per message; in exchange a
-  crash brings back at most one batch, duplicates an application must tolerate.
+  one ``receive_many`` (pre-counted by the previous batch's commit, or one forced record) and
+  committed once the whole batch has been handed out and handled (one forced record). About one
+  fsync per batch instead of one or two per message; in exchange a crash brings back at most one
+  batch, duplicates an application must tolerate.
 - ``TRANSACTED``: receives and sends share one transaction, with whatever the application joins
   through `Session.transaction` (a database, say); `commit`/`rollback` end it and the next
   operation begins another. Nothing committed comes back; nothing rolled back is lost (received

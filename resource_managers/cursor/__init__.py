@@ -14,6 +14,7 @@ from ._cursor import (
     Delivery,
     journal_replay,
 )
+from ._precount import DEFAULT_PRECOUNT
 from ._records import DLQ_SUFFIX
 from ._state import NACK_HEADER
 from ._topics import (
@@ -30,6 +31,7 @@ from .resource import ConsumerBranch, CursorResource
 
 __all__ = [
     "DEFAULT_MAX_DELIVERIES",
+    "DEFAULT_PRECOUNT",
     "DLQ_SUFFIX",
     "NACK_HEADER",
     "TOPIC_PREFIX",

@@ -9,14 +9,20 @@ Accepting: ``offer(frame)`` judges a frame with `..sequencing.StreamFilter` (no 
 record, then adopts the decision and returns the acknowledgment to send: persist before acking.
 ``deliver(frame, message)`` does both, or returns the re-acknowledgment of a dropped frame.
 
-The delivery-count scheme: a count is raised when a message is **handed out**, by a forced ``H``
-record written before ``receive`` returns. That is one fsync per receive (shared by concurrent
-receivers through the journal's group commit), and the only scheme that keeps counts exact when
-the consumer's process dies while handling a message: counting at rollback instead would lose
-exactly the deliveries a poison message ends by crashing its consumer, which would then never
-reach the dead-letter queue. In exchange the rollback record is lazy: if it is lost, the replay
-still has the ``H`` (or the ``P``), and on open every branch handed out and not prepared (its
-process is gone) is rolled back again, and a prepared one waits for recovery's decision.
+The delivery-count scheme: a count is durably raised **before** its message is handed out, the
+only scheme that keeps counts from being low when the consumer's process dies while handling a
+message: counting at rollback instead would lose exactly the deliveries a poison message ends by
+crashing its consumer, which would then never reach the dead-letter queue. The raise is either a
+forced ``H`` record written before ``receive`` returns, or a *pre-count* (`._precount`): a forced
+record the consumer side writes anyway (a branch's ``P``, a one-phase ``C``, an ``H``) raises in
+its ``p`` field the counts of the next never-delivered messages of the queues that branch used,
+or an arriving message's ``M`` raises its own (into a short queue); handing one of those out
+consumes its in-memory credit and writes only a lazy ``H`` (``c`` 0). So a steady consumer at
+one message per transaction forces one record per side, not two. A clean close gives unused
+pre-counts back (a lazy ``G``); a crash leaves them reading one high. In exchange for the forced
+raise the rollback record is lazy: if it is lost, the replay still has the ``H`` (or the ``P``),
+and on open every branch handed out and not prepared (its process is gone) is rolled back again,
+and a prepared one waits for recovery's decision.
 
 Commit (``C``) is forced: once the coordinator has its acknowledgment it may forget the decision,
 and a lost ``C`` would then be presumed aborted and the message delivered twice.
@@ -30,13 +36,14 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from coordinator.crashpoints import crash_point
 from coordinator.errors import (
     IllegalStateError,
     LogWriteError,
@@ -61,8 +68,10 @@ from resource_managers.message_log import (
 )
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
 
+from . import _precount
+from ._precount import DEFAULT_PRECOUNT
 from ._records import DLQ_SUFFIX, decode, encode, message_obj
-from ._state import CursorState, Entry, SubscriptionState
+from ._state import Credit, CursorState, Entry, SubscriptionState
 from ._topics import (
     TOPIC_PREFIX,
     Subscription,
@@ -75,6 +84,11 @@ log = logging.getLogger("twopc.cursor")
 
 DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
 DEFAULT_MAX_DELIVERIES = 5
+
+
+def _shown(entry: Entry) -> int:
+    """Deliveries so far as this process knows them: the count without an unused pre-count."""
+    return entry.count - (entry.credit is not None)
 
 
 def journal_replay() -> Callable[[bytes], None]:
@@ -135,11 +149,26 @@ class CursorStats:
     tombstones: int
 
 
+@dataclass
+class _Reserved:
+    """A receive's messages, reserved under the lock: the forced ``H`` to wait for (None if
+    every message held a credit), the keys it counts, the credits consumed (each must be durable
+    before the messages go out) and the credits the ``H`` itself grants."""
+
+    taken: list[Entry]
+    ticket: Ticket | None
+    counted: set[str]
+    consumed: list[Credit]
+    granted: Credit | None
+
+
 class Cursor:
     """Accepted messages in ``directory``, locked to this process. Thread-safe; a context manager.
 
     ``max_deliveries`` applies to the branches found handed out (not prepared) at open, which are
-    rolled back then; `CursorResource` passes its own to each rollback."""
+    rolled back then; `CursorResource` passes its own to each rollback. ``precount``: how many
+    waiting messages per queue a consumer's forced record pre-counts (`._precount`; 0: none, every
+    receive forces its own ``H``)."""
 
     def __init__(
         self,
@@ -151,11 +180,15 @@ class Cursor:
         file_ops: FileOps | None = None,
         clock_ms: Callable[[], int] = now_ms,
         lazy_delay: float = DEFAULT_LAZY_DELAY,
+        precount: int = DEFAULT_PRECOUNT,
     ) -> None:
         if max_deliveries < 1:
             raise ProgrammingError("max_deliveries must be >= 1")
+        if precount < 0:
+            raise ProgrammingError("precount must be >= 0")
         self.directory = Path(directory)
         self.max_deliveries = max_deliveries
+        self.precount = precount
         self._tombstone_ms = int(tombstone_seconds * 1000)
         self._clock = clock_ms
         self._state = CursorState()
@@ -249,8 +282,12 @@ class Cursor:
             try:
                 with self._lock:
                     for record, decision in records:
+                        fresh = self._fresh_arrival(record)
                         self._last_accept = self._submit_locked(record, False)
                         self._filter.accepted(decision)
+                        credit = _precount.grant(self._state, self._arrived(record, fresh))
+                        if credit is not None:  # pending until the lazy record is on disk
+                            credit.ticket = self._last_accept
                     for verdict, n in trial.counts.items():
                         self._filter.counts[verdict] += n
                     if records:
@@ -282,11 +319,12 @@ class Cursor:
         with self._lock:
             trial = StreamFilter({s: self._filter.state(s) for s in streams})
         records: list[tuple[dict[str, Any], Decision]] = []
+        ahead: Counter[str] = Counter()
         for frame, message in items:
             decision = trial.offer(frame)
             if decision.verdict.accepts:
                 trial.accepted(decision)
-                records.append((self._accept_record(message, decision), decision))
+                records.append((self._accept_record(message, decision, ahead), decision))
         return records, trial
 
     def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
@@ -323,16 +361,28 @@ class Cursor:
         if ticket is not None and not ticket.done:
             self._lazy.flush()
 
-    def _accept_record(self, message: Message, decision: Decision) -> dict[str, Any]:
+    def _accept_record(
+        self, message: Message, decision: Decision, ahead: Counter[str] | None = None
+    ) -> dict[str, Any]:
         """The ``M`` record, with the seed-004 verdict in it (``j``: rejected, a transactional
         message at a non-transactional queue) so that applying it never depends on the queue's
         kind at that moment: an ``M`` is written before it is applied, and a ``T`` may land
-        between the two."""
+        between the two. ``p``: the message is pre-counted at arrival (`_precount.on_arrival`;
+        ``ahead``: the batch's earlier messages per destination, not applied yet)."""
         record = {"k": "M", "q": decision.frame.stream, "e": decision.after.epoch,
                   "n": decision.after.last, "o": message_obj(message)}  # fmt: skip
+        destination = message.destination
         with self._lock:
-            if message.transactional and message.destination in self._state.non_transactional:
+            if message.transactional and destination in self._state.non_transactional:
                 record["j"] = True
+            elif not is_topic(destination) and not decision.frame.stream.endswith(VOLATILE_SUFFIX):
+                waiting = 0 if ahead is None else ahead[destination]
+                if _precount.on_arrival(
+                    self._state, destination, waiting, self.precount, self.max_deliveries
+                ):
+                    record["p"] = [message.message_id]
+                if ahead is not None:
+                    ahead[destination] += 1
         return record
 
     def _persist_batch(self, records: list[tuple[dict[str, Any], Decision]]) -> None:
@@ -347,12 +397,29 @@ class Cursor:
             for i, (record, _) in enumerate(records):
                 self._write(record, force=i == last_forced)
             with self._lock:
+                keys: list[str] = []
                 for record, decision in records:
-                    self._state.apply(record)
+                    keys += self._apply_arrival(record)
                     self._filter.accepted(decision)
+                credit = _precount.grant(self._state, keys)  # durable: written above
+                if credit is not None:
+                    credit.durable = True
                 self.changed.notify_all()
         finally:
             self._gate.exit_shared()
+
+    def _fresh_arrival(self, record: dict[str, Any]) -> bool:
+        """Under the lock, before applying an ``M``: would its pre-count make a new entry?"""
+        return "p" in record and record["p"][0] not in self._state.entries
+
+    def _arrived(self, record: dict[str, Any], fresh: bool) -> list[str]:
+        """After applying it: the key its ``p`` raised (none if the message was there before)."""
+        return record["p"] if fresh and record["p"][0] in self._state.entries else []
+
+    def _apply_arrival(self, record: dict[str, Any]) -> list[str]:
+        fresh = self._fresh_arrival(record)
+        self._state.apply(record)
+        return self._arrived(record, fresh)
 
     def _stream_lock(self, stream: str) -> threading.RLock:
         with self._lock:
@@ -375,8 +442,10 @@ class Cursor:
         self, gid: str, queue: str, max_messages: int, timeout: float | None = 0.0
     ) -> list[Delivery]:
         """Hand up to ``max_messages`` available messages of ``queue``, in order, to branch
-        ``gid``: one forced ``H`` record raises all their counts. Waits up to ``timeout`` seconds
-        (None: forever) for the first; takes what is there then, without waiting for more.
+        ``gid``: one forced ``H`` record raises the counts of those without a credit (and
+        pre-counts the next ones); those with a credit go out once the record that pre-counted
+        them is durable, named in a lazy ``H``. Waits up to ``timeout`` seconds (None: forever)
+        for the first; takes what is there then, without waiting for more.
         Higher priority first, arrival order within a priority. Expired messages at the head of
         the queue move to its dead-letter queue on the way (a lazy ``W`` record: one that comes
         back after a crash has expired all the same)."""
@@ -387,20 +456,16 @@ class Cursor:
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    ticket, taken = self._reserve(gid, queue, max_messages)
-                if ticket is not None:
-                    try:
-                        self._wait(ticket)
-                    except BaseException:
-                        with self._lock:
-                            for entry in reversed(taken):
-                                self._unhand(gid, entry)
-                        raise
+                    held = self._reserve(gid, queue, max_messages)
+                if held is not None:
+                    self._await_hand_out(gid, held)
             finally:
                 self._gate.exit_shared()
-            if taken:
+            if held is not None:
+                if not held.counted:
+                    crash_point("cursor.after_credited_take")
                 self._compaction.maybe()
-                return [Delivery(e.message, e.count, queue, e.reason) for e in taken]
+                return [Delivery(e.message, e.count, queue, e.reason) for e in held.taken]
             with self.changed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -408,12 +473,10 @@ class Cursor:
                 if self._state.first_available(queue) is None:
                     self.changed.wait(remaining)
 
-    def _reserve(
-        self, gid: str, queue: str, max_messages: int
-    ) -> tuple[Ticket | None, list[Entry]]:
+    def _reserve(self, gid: str, queue: str, max_messages: int) -> _Reserved | None:
         """Under the lock: move the expired head to the dead-letter queue, reserve the next
-        messages for ``gid`` (no other consumer gets them): both records queued and applied in
-        journal order; the forced ``H``'s ticket to wait for outside the lock."""
+        messages for ``gid`` (no other consumer gets them): the records queued and applied in
+        journal order; what to wait for outside the lock. None: nothing available."""
         if gid in self._state.tombstones:
             raise BranchRolledBack(f"{gid} was rolled back (tombstone)")
         if gid in self._state.prepared:
@@ -430,22 +493,122 @@ class Cursor:
             self._submit_locked({"k": "W", "i": expired, "r": reason}, force=False)
         ids = list(itertools.islice(self._state.available.get(queue, ()), max_messages))
         if not ids:
-            return None, []
-        ticket = self._submit_locked({"k": "H", "g": gid, "i": ids, "c": 1}, force=True)
-        return ticket, [self._state.entries[mid] for mid in ids]
+            return None
+        taken = [self._state.entries[key] for key in ids]
+        consumed = [e.credit for e in taken if e.credit is not None]
+        credited = [e.key for e in taken if e.credit is not None]
+        counted = [e.key for e in taken if e.credit is None]
+        ticket, granted = None, None
+        if counted:  # first: if it cannot be queued, nothing changed
+            record = {"k": "H", "g": gid, "i": counted, "c": 1}
+            ticket, granted = self._submit_precounting(record, {queue: len(ids)}, ids)
+        for entry in taken:
+            entry.credit = None
+        if credited:  # counts raised already: lazy, for the replay's and the rollover's sake
+            self._submit_locked({"k": "H", "g": gid, "i": credited, "c": 0}, force=False)
+        return _Reserved(taken, ticket, set(counted), consumed, granted)
 
-    def _unhand(self, gid: str, entry: Entry) -> None:
+    def _await_hand_out(self, gid: str, held: _Reserved) -> None:
+        """Outside the lock: the forced ``H`` durable, the credits it grants settled, and every
+        consumed credit's record durable; otherwise the reservation is undone."""
+        try:
+            if held.ticket is not None:
+                self._wait(held.ticket)
+            self._settle(held.granted, True)
+            self._await_credits(held.consumed)
+        except BaseException:
+            self._settle(held.granted, False)
+            with self._lock:
+                for entry in reversed(held.taken):
+                    self._unhand(gid, entry, counted=entry.key in held.counted)
+            raise
+
+    def _await_credits(self, credits: list[Credit]) -> None:
+        """Wait until the records behind ``credits`` are durable (normally they are: only a
+        receive racing another branch's prepare finds one pending)."""
+        if not credits:
+            return
+        if any(c.ticket is not None and _precount.durable(c) is None for c in credits):
+            try:  # a lazily written arrival (`deliver_lazily`) not on disk yet: make it so
+                self._journal.flush()
+            except LogWriteError as exc:
+                raise self._located(exc) from exc
+        with self.changed:
+            while any(_precount.durable(c) is None for c in credits):
+                self.changed.wait()
+        if not all(_precount.durable(c) for c in credits):
+            raise LogWriteError(
+                f"cursor {self.directory}: the record that pre-counted these messages failed",
+                durable=False,
+            )
+
+    def _unhand(self, gid: str, entry: Entry, counted: bool = True) -> None:
         """Undo a reservation whose record failed (if it was written after all, the replay
-        counts one delivery more than happened: a count may be high, never low)."""
+        counts one delivery more than happened: a count may be high, never low). A credited
+        entry keeps its (raised) count and goes back without its credit."""
         mid = entry.key
         handed = self._state.handed.get(gid, [])
         if mid in handed:
             handed.remove(mid)
             if not handed:
                 del self._state.handed[gid]
-        entry.count -= 1
+        if counted:
+            entry.count -= 1
         self._state._make_available(entry)
         self.changed.notify_all()
+
+    def _submit_precounting(
+        self, record: dict[str, Any], taken: dict[str, int], skip: Collection[str] = ()
+    ) -> tuple[Ticket, Credit | None]:
+        """Under the lock: queue a forced consumer ``record`` with the pre-counts of the
+        queues in ``taken`` (queue -> messages the branch took there) in its ``p``, apply it,
+        grant the credits (pending until `_settle`)."""
+        keys = _precount.window(self._state, taken, self.precount, self.max_deliveries, skip)
+        if keys:
+            record["p"] = keys
+        ticket = self._submit_locked(record, force=True)
+        return ticket, _precount.grant(self._state, keys)
+
+    def _append_precounting(self, record: dict[str, Any]) -> None:
+        """`_append` of a forced ``P`` or one-phase ``C`` that pre-counts for the queues its
+        branch's messages (``i``) came from."""
+        self._gate.enter_shared()
+        try:
+            with self._lock:
+                taken = Counter(self._state.entries[k].queue for k in record["i"]
+                                if k in self._state.entries)  # fmt: skip
+                ticket, granted = self._submit_precounting(record, dict(taken))
+            durable = False
+            try:
+                self._wait(ticket)
+                durable = True
+                if granted is not None:
+                    crash_point("cursor.after_precount")
+            finally:  # a receive may be waiting on these credits: never leave them pending
+                self._settle(granted, durable)
+        finally:
+            self._gate.exit_shared()
+
+    def _give_back_credits(self) -> None:
+        """At a clean close, lower again the counts pre-counted for messages never handed out
+        (a lazy ``G``, written before the close's fsync), so only a crash leaves them one high.
+        Only durable credits: the record that raised each is before the ``G`` in the journal."""
+        with self._lock:
+            keys = [k for k, e in self._state.entries.items()
+                    if e.credit is not None and _precount.durable(e.credit)]  # fmt: skip
+        if not keys:
+            return
+        try:
+            self._append({"k": "G", "i": keys}, force=False)
+        except LogWriteError as exc:  # a refusing journal: the counts just stay one high
+            log.warning("cursor %s: unused pre-counts not given back: %s", self.directory, exc)
+
+    def _settle(self, credit: Credit | None, durable: bool) -> None:
+        if credit is None or credit.durable is not None:
+            return
+        with self._lock:
+            _precount.settle(self._state, credit, durable)
+            self.changed.notify_all()
 
     def is_tombstoned(self, gid: str) -> bool:
         return gid in self._state.tombstones
@@ -472,10 +635,19 @@ class Cursor:
             ids = list(self._state.handed.get(gid, []))
         if not ids:
             return False
-        self._append({"k": "P", "g": gid, "i": ids}, force=True)
+        self._append_precounting({"k": "P", "g": gid, "i": ids})
         with self._lock:
             self._refuse_tombstoned(gid)
         return True
+
+    def commit_one_phase(self, gid: str) -> None:
+        """Delete the messages of a branch that was never prepared (forced ``C``, pre-counting
+        the next messages of its queues as a ``P`` would); nothing if it holds none."""
+        with self._lock:
+            ids = self._state.branch_ids(gid)
+        if ids:
+            self._append_precounting({"k": "C", "g": gid, "i": ids})
+            self._compaction.maybe()
 
     def _refuse_tombstoned(self, gid: str) -> None:
         if gid in self._state.tombstones:
@@ -563,15 +735,16 @@ class Cursor:
     # -- inspection ----------------------------------------------------------------------------
 
     def available(self, queue: str) -> list[Delivery]:
-        """The messages ``queue`` would hand out now, in order (their counts so far)."""
+        """The messages ``queue`` would hand out now, in order (their counts so far; a
+        pre-count this process holds a credit for is not counted until its delivery)."""
         with self._lock:
             entries = [self._state.entries[m] for m in self._state.available.get(queue, ())]
-            return [Delivery(e.message, e.count, e.queue, e.reason) for e in entries]
+            return [Delivery(e.message, _shown(e), e.queue, e.reason) for e in entries]
 
     def delivery_count(self, message_id: str) -> int | None:
         with self._lock:
             entry = self._state.entries.get(message_id)
-            return None if entry is None else entry.count
+            return None if entry is None else _shown(entry)
 
     def filter_counts(self) -> dict[str, int]:
         """Frames judged since open, by verdict (``accept``, ``duplicate``, ``out-of-order``...):
@@ -781,7 +954,7 @@ class Cursor:
             entries = sorted((e for e in self._state.entries.values()
                               if e.reason is not None and (dlq is None or e.queue == dlq)),
                              key=lambda e: e.order)  # fmt: skip
-            return [Delivery(e.message, e.count, e.queue, e.reason) for e in entries]
+            return [Delivery(e.message, _shown(e), e.queue, e.reason) for e in entries]
 
     def replay_dead_letters(self, dlq: str, ids: Sequence[str] | None = None) -> int:
         """Put dead letters back at the tail of their queue with their count reset (forced
@@ -881,7 +1054,9 @@ class Cursor:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Write lazy records (rollbacks, forgets, commits), fsync, release the lock."""
+        """Give back unused pre-counts (a lazy ``G``), write lazy records (rollbacks, forgets,
+        commits), fsync, release the lock."""
+        self._give_back_credits()
         self._lazy.close()
         self._journal.close()
         self._lazy.settle()

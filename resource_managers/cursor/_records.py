@@ -9,9 +9,15 @@ Kinds (``k``):
   message and the stream's new filter state (``e``, ``n``) in one forced write: persist before
   acking (lazy for a non-persistent stream, ``<destination>#np``).
 - ``H`` handed out: ``g`` gid, ``i`` message ids, ``c`` 1 (a delivery: each count + 1, forced) or
-  0 (carried by rollover: no count).
+  0 (no count: carried by rollover, or messages whose count a pre-count already raised; lazy).
 - ``P`` prepare: ``g``, ``i`` the ids the branch deletes (forced).
 - ``C`` commit: ``g``, ``i`` the ids deleted (forced; also the one-phase commit).
+- ``p`` (optional, in ``H`` with ``c`` 1, ``P`` and a one-phase ``C``): keys of available,
+  never-delivered messages whose count goes + 1 ahead of their delivery (a *pre-count*: the
+  forced record that has to be written anyway makes the next deliveries' counts durable, so
+  handing those out writes no forced ``H``; see ``Cursor``). In an ``M``: ``[its message
+  id]``, the message arrives with its count at 1 (pre-counted at arrival, into a queue with
+  fewer than ``precount`` messages waiting). Never carried by a rollover.
 - ``R`` rollback: ``g``, ``t`` wall-clock ms (the tombstone), ``i`` ids made available again,
   ``x`` ``[id, reason]`` moved to their dead-letter queue instead (lazy).
 - ``F`` forget: ``g`` (lazy).
@@ -30,6 +36,8 @@ Kinds (``k``):
   subscriber is disconnected). ``N`` is the monitor entry alone, carried by rollover.
 - ``E`` a publication fanned out: ``m`` (lazy): it leaves the in-doubt list and the store.
 - ``Y`` dead letters replayed to their queue: ``i`` keys (forced). ``Z`` purged: ``i`` (forced).
+- ``G`` pre-counts given back: ``i`` keys of messages pre-counted and never handed out, whose
+  counts go - 1 (lazy, written by a clean close; a crash leaves them one high instead).
 
 Why the dispatch records may be lazy: the journal is written in order, so whatever a later forced
 record (a consumer's ``H``) makes durable, every dispatch record before it is durable too; a crash
@@ -107,7 +115,7 @@ def _pairs(value: object) -> None:
 _CHECKS: dict[str, Any] = {
     "q": _str, "e": _int, "n": _int, "o": to_message, "g": _str, "i": _strs, "c": _int,
     "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str, "v": _bool,
-    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs, "j": _bool,
+    "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs, "j": _bool, "p": _strs,
 }  # fmt: skip
 _SCHEMA: dict[str, tuple[str, ...]] = {
     "M": ("q", "e", "n", "o"),
@@ -129,5 +137,8 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "E": ("m",),
     "Y": ("i",),
     "Z": ("i",),
+    "G": ("i",),
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {"Q": ("y", "h"), "M": ("j",)}
+_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "Q": ("y", "h"), "M": ("j", "p"), "H": ("p",), "P": ("p",), "C": ("p",),
+}  # fmt: skip

@@ -16,7 +16,7 @@ see), so ``H``/``P``/``C``/``R`` records name keys and need nothing topic-specif
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,22 @@ def is_subscription_queue(queue: str) -> bool:
     return queue.startswith(TOPIC_PREFIX) and "/" in queue
 
 
+class Credit:
+    """A pre-count the live cursor holds for a message: the forced record whose ``p`` raised
+    its count ahead of its next delivery. ``durable`` is None while that record is being
+    written, then True, or False if it failed. A delivery may consume a credit only once it
+    is durable (a receive that finds it pending waits), so a count is never low."""
+
+    __slots__ = ("durable", "keys", "ticket")
+
+    def __init__(self, keys: list[str], ticket: Any = None) -> None:
+        self.keys = keys
+        self.durable: bool | None = None
+        #: a lazy record's journal ticket (an ``M`` pre-counted at arrival): durable once done
+        #: without error, instead of being settled by a writer thread
+        self.ticket = ticket
+
+
 @dataclass
 class Entry:
     """One accepted message (or topic copy) not yet consumed: where it waits, how often it was
@@ -47,11 +63,14 @@ class Entry:
 
     message: Message
     order: int  # arrival order: FIFO within a queue and priority
-    count: int = 0  # deliveries so far (``H`` records with ``c`` = 1)
+    count: int = 0  # deliveries so far (``H`` records with ``c`` = 1) and pre-counts (``p``)
     queue: str = ""  # where it waits now: ``home``, or ``<home>.DLQ``
     reason: str | None = None  # why it is in the dead-letter queue
     key: str = ""  # the message id, or ``<id>@<subscription queue>`` for a copy
     home: str = ""  # its queue when alive: the destination or the subscription queue
+    #: in memory only, never replayed: the pre-count its next delivery consumes instead of
+    #: raising the count again (`Credit`); None: that delivery writes a forced ``H``
+    credit: Credit | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.message.message_id
@@ -190,15 +209,35 @@ class CursorState:
 
     def _handed_record(self, r: dict[str, Any]) -> None:
         self._hand_out(r["g"], r["i"], counted=r["c"] == 1)
+        self._precount(r.get("p", ()))
 
     def _prepare_record(self, r: dict[str, Any]) -> None:
         self._prepare(r["g"], r["i"])
+        self._precount(r.get("p", ()))
 
     def _commit_record(self, r: dict[str, Any]) -> None:
         self._commit(r["g"], r["i"])
+        self._precount(r.get("p", ()))
+
+    def _precount(self, keys: Iterable[str]) -> None:
+        """``p``: raise counts ahead of delivery, whatever the record's own verdict (a ``P``
+        after a tombstone changes nothing else, but the live cursor granted credits for it).
+        Not idempotent, and need not be: a rollover carries counts in ``Q``, never ``p``."""
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.count += 1
 
     def _rollback_record(self, r: dict[str, Any]) -> None:
         self._rollback(r["g"], r["t"], r["i"], r["x"])
+
+    def _given_back(self, r: dict[str, Any]) -> None:
+        """``G``: pre-counts a clean close found unused (their messages never handed out)."""
+        for key in r["i"]:
+            entry = self.entries.get(key)
+            if entry is not None and entry.count > 0:
+                entry.count -= 1
+                entry.credit = None
 
     def _forget(self, r: dict[str, Any]) -> None:
         self.tombstones.pop(r["g"], None)
@@ -251,6 +290,7 @@ class CursorState:
                 continue
             if self._unqueue(entry):
                 entry.queue, entry.reason, entry.count = entry.home, None, 0
+                entry.credit = None  # the count it stood for is gone
                 entry.order = self.next_order
                 self.next_order += 1
                 self._make_available(entry)
@@ -292,6 +332,7 @@ class CursorState:
             self._add(entry)
             self._nack(message)
         else:
+            entry.count = 1 if r.get("p") else 0  # pre-counted at arrival: its own key
             self._add(entry)
 
     def _nack(self, message: Message) -> None:
@@ -453,5 +494,5 @@ _APPLY = {
     "P": "_prepare_record", "C": "_commit_record", "R": "_rollback_record", "F": "_forget",
     "X": "_expired_dropped", "W": "_expired_moved", "T": "_queue_kind", "U": "_subscribed",
     "V": "_unsubscribed", "I": "_taken", "K": "_copied", "N": "_monitored", "E": "_finished",
-    "Y": "_replayed", "Z": "_purged",
+    "Y": "_replayed", "Z": "_purged", "G": "_given_back",
 }  # fmt: skip

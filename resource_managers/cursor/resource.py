@@ -1,14 +1,16 @@
 """`CursorResource`: the cursor as a two-phase participant (the delivery side).
 
 ``tx.join(cursor)`` returns a `ConsumerBranch`; ``receive(destination, timeout=...)`` hands the
-first available message of the destination to this branch alone (a forced ``H`` record raises its
-delivery count first), waiting on the cursor's condition up to ``timeout`` seconds.
+first available message of the destination to this branch alone (its delivery count durably
+raised first: by a forced ``H`` record, or already by an earlier branch's forced record that
+pre-counted it), waiting on the cursor's condition up to ``timeout`` seconds.
 
 - **prepare**: nothing received votes ``READ_ONLY``. Otherwise one forced ``P`` record makes the
-  branch's deletions durable. A gid with a tombstone is refused (`BranchRolledBack`).
+  branch's deletions durable, and pre-counts the next messages of its queues.
+  A gid with a tombstone is refused (`BranchRolledBack`).
 - **commit** (idempotent): one forced ``C`` record deletes the messages. A repeat or an unknown gid
   is done (None); a gid with a tombstone reports ``HEURISTIC_ROLLBACK``. ``one_phase``: the ``C``
-  record straight from the received messages.
+  record straight from the received messages, pre-counting as a ``P`` does.
 - **rollback** (idempotent): the messages become available again, in their place, with
   ``redelivered`` and the count raised at their next delivery; a message already delivered
   ``max_deliveries`` times moves to ``<destination>.DLQ`` with the reason, in the same (lazy) ``R``
@@ -16,8 +18,9 @@ delivery count first), waiting on the cursor's condition up to ``timeout`` secon
   ``HEURISTIC_COMMIT``.
 - **recover**: every prepared gid of this resource's name. **forget** drops a tombstone.
 
-Crash points: ``cursor.<name>.after_receive`` (the ``H`` record is durable, the message not yet
-returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``.
+Crash points: ``cursor.<name>.after_receive`` (the message's count is durable, the message not
+yet returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``; in the `Cursor`,
+``cursor.after_precount`` and ``cursor.after_credited_take``.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ class ConsumerBranch:
     def receive_many(
         self, destination: str, max_messages: int, timeout: float | None = 0.0
     ) -> list[Delivery]:
-        """Up to ``max_messages`` messages of ``destination`` in order, in one forced record:
-        waits up to ``timeout`` for the first, then takes what is there. A batch consumer pays
-        one fsync for the lot instead of one per message."""
+        """Up to ``max_messages`` messages of ``destination`` in order, in one forced record at
+        most (none for messages an earlier forced record pre-counted): waits up to ``timeout``
+        for the first, then takes what is there. A batch consumer pays one fsync for the lot
+        instead of one per message."""
         if self.closed:
             raise IllegalStateError(f"{self._resource.name}: receive after the branch ended")
         validate_destination(destination)
@@ -135,7 +139,7 @@ class CursorResource:
             self._take(xid)
             if self.cursor.is_tombstoned(gid):
                 raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone)")
-            self.cursor.commit(gid)
+            self.cursor.commit_one_phase(gid)
             return None
         with self._lock:
             if xid in self._branches:

@@ -112,6 +112,8 @@ CRASHES = [
     ("cursor", "cursor.cursor.after_receive:4"),
     ("cursor", "cursor.cursor.after_prepare:4"),
     ("cursor", "cursor.cursor.after_commit:4"),
+    ("cursor", "cursor.after_precount:4"),
+    ("cursor", "cursor.after_credited_take:3"),
     ("producer-p0", "tm.after_prepare.2:3"),
     ("producer-p0", "tm.after_decision_fsync:3"),
     ("producer-p0", "tm.after_commit.1:3"),

@@ -216,6 +216,8 @@ def test_rollback_redelivers_in_place_with_the_count_raised(
         assert again.redelivered and again.delivery_count == 2
     with Cursor(curdir) as c:
         cr = CursorResource(c)
+        # b was pre-counted by a's receive (its forced H raised b's count ahead of delivery); the
+        # clean close gave the unused pre-count back (a G record)
         assert [d.delivery_count for d in c.available("orders")] == [2, 0]
         tm = make_manager(managers, [cr])
         third = received(tm, cr)
