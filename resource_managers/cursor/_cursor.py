@@ -24,8 +24,11 @@ raise the rollback record is lazy: if it is lost, the replay still has the ``H``
 and on open every branch handed out and not prepared (its process is gone) is rolled back again,
 and a prepared one waits for recovery's decision.
 
-Commit (``C``) is forced: once the coordinator has its acknowledgment it may forget the decision,
-and a lost ``C`` would then be presumed aborted and the message delivered twice.
+Commit (``C``) is forced when it is the only record of the outcome: a one-phase commit, or a
+recovery's commit, after which the coordinator may forget the decision, and a lost ``C`` would
+then be presumed aborted and the message delivered twice. Phase two on the coordinator's own path
+writes it lazily instead (`commit_lazily`): the coordinator keeps the decision until the record is
+durable, and until then the gid is listed as prepared (`coordinator.lazy_commit`).
 """
 
 from __future__ import annotations

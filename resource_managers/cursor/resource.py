@@ -8,15 +8,18 @@ pre-counted it), waiting on the cursor's condition up to ``timeout`` seconds.
 - **prepare**: nothing received votes ``READ_ONLY``. Otherwise one forced ``P`` record makes the
   branch's deletions durable, and pre-counts the next messages of its queues.
   A gid with a tombstone is refused (`BranchRolledBack`).
-- **commit** (idempotent): one forced ``C`` record deletes the messages. A repeat or an unknown gid
-  is done (None); a gid with a tombstone reports ``HEURISTIC_ROLLBACK``. ``one_phase``: the ``C``
-  record straight from the received messages, pre-counting as a ``P`` does.
+- **commit** (idempotent): one ``C`` record deletes the messages: forced for a one-phase or a
+  recovery's commit, lazy in phase two (`commit_lazily`, `lazy_commit=True`: the coordinator keeps
+  its decision until the record is durable). A repeat or an unknown gid is done (None); a gid with
+  a tombstone reports ``HEURISTIC_ROLLBACK``. ``one_phase``: the ``C`` record straight from the
+  received messages, pre-counting as a ``P`` does.
 - **rollback** (idempotent): the messages become available again, in their place, with
   ``redelivered`` and the count raised at their next delivery; a message already delivered
   ``max_deliveries`` times moves to ``<destination>.DLQ`` with the reason, in the same (lazy) ``R``
   record, which also leaves the tombstone. A gid whose commit record is in the journal reports
   ``HEURISTIC_COMMIT``.
-- **recover**: every prepared gid of this resource's name. **forget** drops a tombstone.
+- **recover**: every prepared gid of this resource's name (and one whose lazy commit record is not
+  durable yet). **forget** drops a tombstone.
 
 Crash points: ``cursor.<name>.after_receive`` (the message's count is durable, the message not
 yet returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``; in the `Cursor`,
