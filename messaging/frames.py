@@ -523,6 +523,20 @@ def encode(
 ) -> bytes:
     """One whole frame. A wrong field type or a frame over ``max_frame`` is the caller's bug
     (`ProgrammingError`): better refused here than dropped by the peer with the connection."""
+    out = _encode_msg(frame) if type(frame) is Msg else None
+    if out is None:
+        out = _encode_generic(frame)
+    if len(out) > max_frame:
+        raise _misuse(f"{len(out)} bytes exceed the frame limit of {max_frame}")
+    length = len(out) - HEADER_SIZE
+    HEADER.pack_into(out, 0, MAGIC, version, frame.TYPE, 0, length, 0)
+    crc = zlib.crc32(memoryview(out)[HEADER_SIZE:], zlib.crc32(memoryview(out)[:12]))
+    struct.pack_into(">I", out, 12, crc)
+    return bytes(out)
+
+
+def _encode_generic(frame: Frame) -> bytearray:
+    """The header's room, then the payload: the frame's schema fields, walked generically."""
     schema = _SCHEMAS.get(getattr(frame, "TYPE", None))  # type: ignore[arg-type]
     if schema is None or type(frame) is not schema[0]:  # the reader would refuse it
         raise _misuse(f"{type(frame).__name__} is not a frame type")
@@ -540,13 +554,97 @@ def encode(
         _encode_value(wire, out, 0)
     except UnicodeEncodeError as exc:
         raise _misuse(f"text is not encodable as UTF-8 ({exc.reason})") from None
-    if len(out) > max_frame:
-        raise _misuse(f"{len(out)} bytes exceed the frame limit of {max_frame}")
-    length = len(out) - HEADER_SIZE
-    HEADER.pack_into(out, 0, MAGIC, version, frame.TYPE, 0, length, 0)
-    crc = zlib.crc32(memoryview(out)[HEADER_SIZE:], zlib.crc32(memoryview(out)[:12]))
-    struct.pack_into(">I", out, 12, crc)
-    return bytes(out)
+    return out
+
+
+def _key(name: str) -> bytes:
+    return bytes([len(name)]) + name.encode("ascii")
+
+
+# Msg's field names in the payload's (sorted) key order, each as it is written: length, name.
+_K_BODY, _K_COUNT, _K_DEST, _K_EPOCH, _K_EXPIRES, _K_HEADERS = map(
+    _key, ("body", "delivery_count", "destination", "epoch", "expires_at_ms", "headers")
+)
+_K_ID, _K_PERSISTENT, _K_PREV, _K_REDELIVERED, _K_SEQ, _K_STREAM = map(
+    _key, ("message_id", "persistent", "prev", "redelivered", "seq", "stream")
+)
+
+
+def _put_str(text: str, out: bytearray) -> None:
+    raw = text.encode("utf-8", "strict")
+    out.append(_STR)
+    _varint(len(raw), out)
+    out += raw
+
+
+def _put_uint(n: int, out: bytearray) -> None:
+    out.append(_UINT)
+    _varint(n, out)
+
+
+def _encode_msg(m: Msg) -> bytearray | None:
+    """`_encode_generic`'s bytes for a MSG frame, written straight from its fields (a transfer
+    sends one per message, and the generic walk was most of its cost). None when a field is not
+    of the everyday kind (text headers, non-negative numbers, valid UTF-8): the generic path then
+    encodes it or refuses it with its message. Tests hold the two byte-identical."""
+    stream, mid, dest, body, headers = m.stream, m.message_id, m.destination, m.body, m.headers
+    numbers = (m.epoch, m.seq, m.prev, m.delivery_count)
+    expires, persistent, redelivered = m.expires_at_ms, m.persistent, m.redelivered
+    if not (
+        type(stream) is str and type(mid) is str and type(dest) is str and type(body) is bytes
+        and type(headers) is dict and all(type(n) is int and 0 <= n < _U64 for n in numbers)
+        and (expires is None or (type(expires) is int and 0 <= expires < _U64))
+        and type(persistent) is bool and type(redelivered) is bool
+        and all(type(k) is str and type(v) is str for k, v in headers.items())
+    ):  # fmt: skip
+        return None
+    epoch, seq, prev, count = numbers
+    fields_ = 7 + (count != 0) + (expires is not None) + bool(headers)
+    fields_ += (not persistent) + redelivered
+    out = bytearray(HEADER_SIZE)
+    out.append(_MAP)
+    out.append(fields_)  # at most 12: one varint byte
+    try:
+        out += _K_BODY
+        out.append(_BYTES)
+        _varint(len(body), out)
+        out += body
+        if count:
+            out += _K_COUNT
+            _put_uint(count, out)
+        out += _K_DEST
+        _put_str(dest, out)
+        out += _K_EPOCH
+        _put_uint(epoch, out)
+        if expires is not None:
+            out += _K_EXPIRES
+            _put_uint(expires, out)
+        if headers:
+            out += _K_HEADERS
+            out.append(_MAP)
+            _varint(len(headers), out)
+            for key in sorted(headers):
+                raw = key.encode("utf-8", "strict")
+                _varint(len(raw), out)
+                out += raw
+                _put_str(headers[key], out)
+        out += _K_ID
+        _put_str(mid, out)
+        if not persistent:
+            out += _K_PERSISTENT
+            out.append(_FALSE)
+        out += _K_PREV
+        _put_uint(prev, out)
+        if redelivered:
+            out += _K_REDELIVERED
+            out.append(_TRUE)
+        out += _K_SEQ
+        _put_uint(seq, out)
+        out += _K_STREAM
+        _put_str(stream, out)
+    except UnicodeEncodeError:
+        return None
+    return out
 
 
 def parse_header(

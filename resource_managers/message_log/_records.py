@@ -96,18 +96,29 @@ class Message:
 # -- records -----------------------------------------------------------------------------------
 
 
+class _MessageObj(dict[str, Any]):
+    """A record's message object that still knows the `Message` it was made from, so a store
+    applying its own record (`to_message`) takes that value back instead of decoding base64
+    and checking again what `check_message` checked before the record was written. A record
+    read from disk holds plain dicts and takes the full path."""
+
+    __slots__ = ("message",)
+    message: Message
+
+
 def message_obj(m: Message) -> dict[str, Any]:
     """``p`` is written only for a non-persistent message (the cursor keeps those too), so
     records of persistent ones are unchanged and old journals still read."""
-    obj = {
+    obj = _MessageObj({
         "i": m.message_id,
         "d": m.destination,
         "h": m.headers,
         "b": base64.b64encode(m.body).decode("ascii"),
         "x": m.expires_at,
-    }
+    })  # fmt: skip
     if not m.persistent:
         obj["p"] = False
+    obj.message = m
     return obj
 
 
@@ -132,6 +143,8 @@ def decode(payload: bytes) -> dict[str, Any]:
 
 
 def to_message(obj: object) -> Message:
+    if type(obj) is _MessageObj:
+        return obj.message
     if not isinstance(obj, dict):
         raise TypeError("message is not an object")
     headers = obj["h"]

@@ -1,0 +1,57 @@
+"""The per-message shortcuts of the message path keep the full rules: a message checked once is
+judged again by its recorded size only, and a store applying its own record gets back the
+`Message` it wrote, while a record read from disk still goes through the strict decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from coordinator.errors import LogCorruptionError
+from resource_managers.message_log import InvalidMessageError, Message, check_message
+from resource_managers.message_log._records import decode, encode, message_obj, to_message
+
+
+def message(**changes: object) -> Message:
+    m = Message("id-1", "q", b"\x00\xfe\xd1body", {"k": "v"}, True, None)
+    return dataclasses.replace(m, **changes)  # type: ignore[arg-type]
+
+
+def test_a_checked_message_is_judged_again_by_its_size_only() -> None:
+    m = message()
+    assert check_message(m, max_bytes=m.size) is m
+    assert check_message(m) is m
+    with pytest.raises(InvalidMessageError, match=f"message of {m.size} bytes"):
+        check_message(m, max_bytes=m.size - 1)
+
+
+def test_a_message_that_failed_is_checked_in_full_every_time() -> None:
+    bad = message(headers={"twopc-priority": "x"})
+    for _ in range(2):
+        with pytest.raises(InvalidMessageError, match="priority"):
+            check_message(bad)
+
+
+def test_a_copy_with_other_fields_is_not_taken_for_checked() -> None:
+    m = check_message(message())
+    with pytest.raises(InvalidMessageError, match="destination"):
+        check_message(dataclasses.replace(m, destination="bad dest"))
+
+
+def test_a_store_applying_its_own_record_gets_the_same_message_back() -> None:
+    m = check_message(message(expires_at=5, persistent=False))
+    obj = message_obj(m)
+    assert to_message(obj) is m
+    payload = encode({"k": "P", "g": "g1", "m": [obj]})
+    assert payload == encode({"k": "P", "g": "g1", "m": [dict(obj)]})  # same bytes on disk
+    replayed = decode(payload)["m"][0]
+    assert type(replayed) is dict and to_message(replayed) == m
+
+
+def test_a_record_read_from_disk_is_still_checked_strictly() -> None:
+    obj = dict(message_obj(message()))
+    obj["b"] = "not base64!"
+    with pytest.raises(LogCorruptionError):
+        decode(json.dumps({"k": "P", "g": "g1", "m": [obj]}).encode())
