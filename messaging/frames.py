@@ -681,10 +681,19 @@ def decode_payload(
     crc = zlib.crc32(payload, zlib.crc32(memoryview(header_bytes)[:12]))
     if crc != header.crc:
         raise bad_frame("crc", "checksum mismatch", header.crc, crc)
+    if header.type is FrameType.MSG:
+        msg = _decode_msg(memoryview(payload).cast("B"))
+        if msg is not None:
+            return msg
+    return _decode_generic(header.type, payload)
+
+
+def _decode_generic(ftype: FrameType, payload: bytes | bytearray | memoryview) -> Frame:
+    """The payload as a map, then each schema field converted and checked."""
     wire = decode_value(payload)
     if not isinstance(wire, dict):
         raise _bad_payload("payload is not a map", got=type(wire).__name__)
-    cls, specs = _SCHEMAS[header.type]
+    cls, specs = _SCHEMAS[ftype]
     kwargs: dict[str, Any] = {}
     for spec in specs:
         if spec.name in wire:
@@ -698,9 +707,101 @@ def decode_payload(
         unknown = sorted(wire.keys() - kwargs.keys())
         raise _bad_payload(f"unknown fields {unknown} in {cls.__name__}", got=unknown)
     if cls is XaRequest:
-        kwargs["verb"] = header.type
+        kwargs["verb"] = ftype
     frame: Frame = cls(**kwargs)
     return frame
+
+
+def _take_key(data: memoryview, pos: int, key: bytes) -> int:
+    """``pos`` past ``key`` if the payload has it there, else -1."""
+    end = pos + len(key)
+    return end if data[pos:end] == key else -1
+
+
+def _take_uint(data: memoryview, pos: int) -> tuple[int, int]:
+    if data[pos] != _UINT:
+        raise _bad_payload("not the everyday form")
+    return _read_varint(data, pos + 1)
+
+
+def _take_str(data: memoryview, pos: int) -> tuple[str, int]:
+    if data[pos] != _STR:
+        raise _bad_payload("not the everyday form")
+    raw, pos = _read_sized(data, pos + 1)
+    return _text(raw), pos
+
+
+def _decode_msg(data: memoryview) -> Msg | None:  # noqa: PLR0912
+    """The Msg `_decode_generic` would build, read in the everyday layout `_encode_msg` writes
+    (fields in canonical order, numbers unsigned, headers text); None for any other payload,
+    which the generic path then reads or refuses with its own error. Nothing is accepted here
+    that the generic path would refuse: the same strict readers, keys compared whole and in
+    order, and every byte used."""
+    try:
+        if len(data) < 2 or data[0] != _MAP or data[1] > 12:
+            return None
+        count, pos, fields_ = data[1], 2, 0
+        body_at = _take_key(data, pos, _K_BODY)
+        if body_at < 0 or data[body_at] != _BYTES:
+            return None
+        raw, pos = _read_sized(data, body_at + 1)
+        body = bytes(raw)
+        delivery_count = 0
+        if (at := _take_key(data, pos, _K_COUNT)) >= 0:
+            delivery_count, pos = _take_uint(data, at)
+            fields_ += 1
+        if (at := _take_key(data, pos, _K_DEST)) < 0:
+            return None
+        destination, pos = _take_str(data, at)
+        if (at := _take_key(data, pos, _K_EPOCH)) < 0:
+            return None
+        epoch, pos = _take_uint(data, at)
+        expires: int | None = None
+        if (at := _take_key(data, pos, _K_EXPIRES)) >= 0:
+            expires, pos = _take_uint(data, at)
+            fields_ += 1
+        headers: dict[str, Value] = {}
+        if (at := _take_key(data, pos, _K_HEADERS)) >= 0:
+            if data[at] != _MAP:
+                return None
+            n, pos = _read_varint(data, at + 1)
+            previous: str | None = None
+            for _ in range(n):
+                raw, pos = _read_sized(data, pos)
+                key = _text(raw)
+                if previous is not None and key <= previous:
+                    return None
+                headers[key], pos = _take_str(data, pos)
+                previous = key
+            fields_ += 1
+        if (at := _take_key(data, pos, _K_ID)) < 0:
+            return None
+        message_id, pos = _take_str(data, at)
+        persistent = True
+        if (at := _take_key(data, pos, _K_PERSISTENT)) >= 0:
+            if data[at] not in (_FALSE, _TRUE):
+                return None
+            persistent, pos, fields_ = data[at] == _TRUE, at + 1, fields_ + 1
+        if (at := _take_key(data, pos, _K_PREV)) < 0:
+            return None
+        prev, pos = _take_uint(data, at)
+        redelivered = False
+        if (at := _take_key(data, pos, _K_REDELIVERED)) >= 0:
+            if data[at] not in (_FALSE, _TRUE):
+                return None
+            redelivered, pos, fields_ = data[at] == _TRUE, at + 1, fields_ + 1
+        if (at := _take_key(data, pos, _K_SEQ)) < 0:
+            return None
+        seq, pos = _take_uint(data, at)
+        if (at := _take_key(data, pos, _K_STREAM)) < 0:
+            return None
+        stream, pos = _take_str(data, at)
+    except (FrameError, IndexError):
+        return None
+    if pos != len(data) or count != fields_ + 7:
+        return None
+    return Msg(stream, epoch, seq, prev, message_id, destination, body, headers, expires,
+               persistent, redelivered, delivery_count)  # fmt: skip
 
 
 def decode(

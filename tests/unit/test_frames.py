@@ -49,6 +49,8 @@ from messaging.frames import (
     Welcome,
     XaReply,
     XaRequest,
+    _decode_generic,
+    _decode_msg,
     _encode_generic,
     _encode_msg,
     decode,
@@ -266,6 +268,36 @@ def test_the_msg_fast_path_writes_the_generic_encoding_byte_for_byte(msg: Msg) -
                                               *msg.headers, *msg.headers.values()) for c in t
     ):  # fmt: skip
         assert fast is not None  # the everyday message takes the fast path
+
+
+def _generic_or_error(payload: bytes) -> Frame | str:
+    try:
+        return _decode_generic(FrameType.MSG, payload)
+    except FrameError as exc:
+        return f"refused: {exc}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages | text_messages, st.data())
+def test_the_msg_fast_reader_accepts_only_what_the_generic_one_does(
+    msg: Msg, data: st.DataObject
+) -> None:
+    """`_decode_msg` reads the everyday layout or declines (None); a payload it reads, however
+    damaged, must give the frame the generic reader gives, never one the generic reader refuses."""
+    payload = bytes(_encode_generic(msg)[HEADER_SIZE:])
+    fast = _decode_msg(memoryview(payload))
+    assert fast is None or fast == msg
+    if _encode_msg(msg) is not None:
+        assert fast == msg
+    damaged = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(damaged) - 1))
+        damaged[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(damaged)))
+    for candidate in (bytes(damaged), payload[:cut], payload + b"\x00"):
+        fast = _decode_msg(memoryview(candidate))
+        if fast is not None:
+            assert fast == _generic_or_error(candidate)
 
 
 # -- encoding misuse is the caller's bug, not a bad frame ------------------------------------------
