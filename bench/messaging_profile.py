@@ -49,7 +49,7 @@ DESTINATION = "bench"
 BODY_BYTES = 256
 SENT = "sent-ns"
 
-_profiles: list[cProfile.Profile] = []
+_profiles: list[tuple[str, cProfile.Profile]] = []
 _profiles_lock = threading.Lock()
 
 
@@ -65,7 +65,7 @@ def profile_every_thread() -> None:
         finally:
             profile.disable()
             with _profiles_lock:
-                _profiles.append(profile)
+                _profiles.append((self.name, profile))
 
     threading.Thread.run = run  # type: ignore[method-assign]
 
@@ -149,6 +149,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--sort", default="tottime")
     parser.add_argument(
+        "--side",
+        choices=("all", "log", "cursor"),
+        default="all",
+        help="profile only the log's side (producer, transfer pump) or the "
+        "cursor's (transfer receiver, consumer)",
+    )
+    parser.add_argument(
         "--timers",
         type=float,
         default=0.5,
@@ -164,8 +171,13 @@ def main() -> None:
     rate = run(args.per_tx, args.messages, args.timers)
     if main_profile is not None:
         main_profile.disable()
-        stats = pstats.Stats(main_profile)
-        for p in _profiles:
+        cursor_side = ("twopc-conn-", "consumer")
+        chosen = [p for name, p in _profiles if args.side == "all"
+                  or (args.side == "cursor") == name.startswith(cursor_side)]  # fmt: skip
+        if args.side != "cursor":
+            chosen.append(main_profile)
+        stats = pstats.Stats(chosen[0])
+        for p in chosen[1:]:
             stats.add(p)
         stats.sort_stats(args.sort).print_stats(args.top)
     print(f"{args.messages} messages, {args.per_tx}/tx: {rate:,.0f} msg/s (one process)")

@@ -836,10 +836,13 @@ class _Stream(Protocol):
 class FrameReader:
     """Frames from a blocking socket (``recv_into``) or binary stream (``readinto``).
 
-    No read-ahead: it asks for exactly the rest of the current header or payload, never a byte
-    of the next frame, so the handshake's small pre-auth reader can hand the socket on to a
-    full-size reader with nothing lost, and a bad header costs one 16-byte read. Pass the socket
-    itself: ``sock.makefile()`` reads ahead, and what it took would be lost to the next reader.
+    No read-ahead by default: it asks for exactly the rest of the current header or payload,
+    never a byte of the next frame, so the handshake's small pre-auth reader can hand the socket
+    on to a full-size reader with nothing lost, and a bad header costs one 16-byte read. Pass the
+    socket itself: ``sock.makefile()`` reads ahead, and what it took would be lost to the next
+    reader. ``read_ahead`` (bytes) is for the last reader of a socket, which nothing follows (a
+    `Connection`'s): it reads up to that much at a time, so a burst of small frames costs one
+    system call, not two per frame; `pending` tells how much it holds that ``select`` cannot see.
     A socket timeout keeps the part already read: call `read` again. After a `FrameError` every
     call raises it again, because the stream is out of step and must be closed.
     """
@@ -850,6 +853,7 @@ class FrameReader:
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
         versions: frozenset[int] = SUPPORTED_VERSIONS,
+        read_ahead: int = 0,
     ) -> None:
         if not HEADER_SIZE < max_frame <= HEADER_SIZE + 0xFFFFFFFF:
             raise ProgrammingError(
@@ -863,11 +867,31 @@ class FrameReader:
         self._payload = bytearray()
         self._got = 0
         self._failed: FrameError | None = None
+        self._ahead = memoryview(bytearray(read_ahead))  # bytes read past the current frame
+        self._ahead_at = self._ahead_end = 0
+
+    def pending(self) -> int:
+        """Bytes already read from the source and not yet returned in a frame."""
+        return self._ahead_end - self._ahead_at
 
     def _fill(self, buf: bytearray, *, boundary: bool) -> bool:
         view = memoryview(buf)
+        n: int | None
         while self._got < len(buf):
-            n = self._recv(view[self._got :])
+            want = len(buf) - self._got
+            if self._ahead_end > self._ahead_at:  # read ahead before: take from there first
+                n = min(want, self._ahead_end - self._ahead_at)
+                view[self._got : self._got + n] = self._ahead[self._ahead_at : self._ahead_at + n]
+                self._ahead_at += n
+                self._got += n
+                continue
+            if want < len(self._ahead):  # small: read what has come, up to the buffer's size
+                n = self._recv(self._ahead)
+                if n:
+                    self._ahead_at, self._ahead_end = 0, n
+                    continue
+            else:  # large (or no read-ahead): straight into place
+                n = self._recv(view[self._got :])
             if n is None:
                 raise ProgrammingError("FrameReader needs a blocking stream")
             if n == 0:

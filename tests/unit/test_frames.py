@@ -625,3 +625,34 @@ def test_every_truncation_is_truncated(frame: Frame, data: st.DataObject) -> Non
         with pytest.raises(FrameError) as caught:
             attempt()
         assert caught.value.what == "truncated"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("read_ahead", [0, 20, 64 * 1024])
+def test_a_reading_ahead_reader_returns_the_same_frames_and_keeps_a_partial_one(
+    read_ahead: int,
+) -> None:
+    """A `Connection`'s reader reads ahead: several frames per system call, what it holds shown
+    by `pending` (``select`` cannot see it), a frame cut by a timeout finished by the next read,
+    a frame larger than the buffer read straight into place, and a clean close still None."""
+    a, b = socket.socketpair()
+    with a, b:
+        frames = [Ping(1), Msg("s", 1, 1, 0, "m1", "q", b"x" * 100), Ping(2)]
+        big = Msg("s", 1, 2, 1, "m2", "q", bytes(range(256)) * 300)
+        data = b"".join(encode(f) for f in [*frames, big])
+        last = encode(Pong(3))
+        a.sendall(data + last[:5])
+        reader = FrameReader(b, read_ahead=read_ahead)
+        assert [reader.read() for _ in range(4)] == [*frames, big]
+        b.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            reader.read()
+        b.settimeout(None)
+        a.sendall(last[5:])
+        assert reader.read() == Pong(3)
+        assert reader.pending() == 0
+        a.sendall(encode(Ping(4)) + encode(Ping(5)))
+        assert reader.read() == Ping(4)
+        assert (reader.pending() > 0) == (read_ahead > 0)  # part of Ping(5), read with Ping(4)
+        assert reader.read() == Ping(5)
+        a.close()
+        assert reader.read() is None
