@@ -122,8 +122,21 @@ def message_obj(m: Message) -> dict[str, Any]:
     return obj
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
+# json.dumps with these options builds an encoder per call, and a store writes a record per
+# message: build the C encoder once (what JSONEncoder.encode uses), the Python one if absent.
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE = None
+if _c_make_encoder is not None:  # arguments as JSONEncoder.iterencode passes them
+    _ascii = json.encoder.encode_basestring_ascii
+    _C_ENCODE = _c_make_encoder(None, _JSON.default, _ascii, None, ":", ",", False, False, True)
+
+
 def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    """A record as compact ASCII JSON: ``json.dumps(obj, separators=(",", ":"))``'s bytes."""
+    if _C_ENCODE is None:
+        return _JSON.encode(obj).encode("ascii")
+    return "".join(_C_ENCODE(obj, 0)).encode("ascii")
 
 
 def decode(payload: bytes) -> dict[str, Any]:

@@ -55,3 +55,16 @@ def test_a_record_read_from_disk_is_still_checked_strictly() -> None:
     obj["b"] = "not base64!"
     with pytest.raises(LogCorruptionError):
         decode(json.dumps({"k": "P", "g": "g1", "m": [obj]}).encode())
+
+
+def test_records_encode_as_the_old_compact_ascii_json() -> None:
+    """Journals written before must read the same: the encoder made once writes what
+    ``json.dumps(separators=(",", ":"), ensure_ascii=True)`` wrote per call."""
+    m = message(headers={"é": "ü\u2028", "k": '"q"'}, expires_at=2**40)
+    for record in (
+        {"k": "1", "g": "g1", "m": [message_obj(m)], "s": [["q", 1]]},
+        {"k": "M", "q": "q", "e": 1, "n": 2, "o": message_obj(m), "j": True},
+        {"k": "R", "g": "g", "t": 0, "i": [], "x": [["id", "reason\n"]]},
+    ):
+        want = json.dumps(record, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        assert encode(record) == want
