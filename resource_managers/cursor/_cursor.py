@@ -222,8 +222,8 @@ class Cursor:
 
     def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
         """Judge a batch of frames in arrival order, persist every accepted message with its
-        stream's filter state, the last record forced (the journal writes in order, so one fsync
-        covers the batch), then adopt; return one acknowledgment per stream touched. What a
+        stream's filter state in one forced group of records (one fsync, and one journal queue
+        entry, for the batch), then adopt; return one acknowledgment per stream touched. What a
         transfer reads off the wire in one go costs one fsync, not one per message.
 
         Every message is checked (`check_message`) before a record is written, so an
@@ -274,12 +274,10 @@ class Cursor:
         once durable, because adopting it advances the stream's filter, and a filter ahead of
         the disk would re-acknowledge, as duplicates, resends of messages the cursor never
         wrote."""
-        durable = [i for i, (r, _) in enumerate(records) if not r["q"].endswith(VOLATILE_SUFFIX)]
-        last_forced = durable[-1] if durable else -1
+        force = any(not r["q"].endswith(VOLATILE_SUFFIX) for r, _ in records)
         self._gate.enter_shared()
         try:
-            for i, (record, _) in enumerate(records):
-                self._write(record, force=i == last_forced)
+            self._write_many([record for record, _ in records], force)  # one group, in order
             with self._lock:
                 for record, decision in records:
                     self._state.apply(record)
@@ -736,9 +734,9 @@ class Cursor:
         except LogWriteError as exc:
             raise self._located(exc) from exc
 
-    def _write(self, record: dict[str, Any], force: bool) -> None:
+    def _write_many(self, records: list[dict[str, Any]], force: bool) -> None:
         try:
-            self._journal.append(encode(record), force)
+            self._journal.append_many([encode(r) for r in records], force)
         except LogWriteError as exc:
             raise self._located(exc) from exc
 
