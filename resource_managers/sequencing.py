@@ -191,6 +191,12 @@ class StreamFilter:
         """Adopt an accepting decision once its message and ``decision.after`` are durable; returns
         the ack to send. Refused if the stream moved since the offer (a second transfer thread on
         the stream, or the same decision applied twice): its message may now be a duplicate."""
+        self.adopt(decision)
+        return self.ack_for(decision.frame.stream)
+
+    def adopt(self, decision: Decision) -> None:
+        """`accepted` without building its acknowledgment, for a batch that sends one per
+        stream once every message of it is adopted."""
         stream = decision.frame.stream
         if not decision.verdict.accepts or self.state(stream) != decision.before:
             raise IllegalStateError(
@@ -198,7 +204,6 @@ class StreamFilter:
                 stream=stream,
             )
         self._streams[stream] = decision.after
-        return self.ack_for(stream)
 
     def to_dict(self) -> dict[str, Any]:
         streams = {name: state.to_dict() for name, state in sorted(self._streams.items())}

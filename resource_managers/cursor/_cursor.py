@@ -246,7 +246,7 @@ class Cursor:
             for frame, message in items:
                 decision = trial.offer(frame)
                 if decision.verdict.accepts:
-                    trial.accepted(decision)
+                    trial.adopt(decision)
                     records.append((self._accept_record(message, decision), decision))
             if records:
                 self._persist_batch(records)
@@ -281,7 +281,7 @@ class Cursor:
             with self._lock:
                 for record, decision in records:
                     self._state.apply(record)
-                    self._filter.accepted(decision)
+                    self._filter.adopt(decision)
                 self.changed.notify_all()
         finally:
             self._gate.exit_shared()

@@ -12,12 +12,12 @@ Every refusal is an `InvalidMessageError`.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import cast
 
 from coordinator.errors import ProgrammingError
 
+from ._ids import new_id
 from ._records import (
     ADMIN_QUEUE_HEADER,
     DLQ_SUFFIX,
@@ -169,7 +169,7 @@ def new_message(
     if headers is not None and not isinstance(headers, Mapping):
         raise InvalidMessageError(f"headers must be a mapping, not {type(headers).__name__}")
     message = Message(
-        uuid.uuid4().hex,
+        new_id(),
         cast(str, destination),  # checked below, with everything else
         bytes(body),
         dict(headers or {}),
@@ -213,7 +213,7 @@ def outgoing(
     if publisher is not None:
         merged[PUBLISHER_HEADER] = publisher
     if len(destinations) > 1:
-        merged[LIST_HEADER] = uuid.uuid4().hex
+        merged[LIST_HEADER] = new_id()
     return [
         new_message(
             destination,

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import uuid
 
 import pytest
 
 from coordinator.errors import LogCorruptionError
 from resource_managers.message_log import InvalidMessageError, Message, check_message
+from resource_managers.message_log._ids import new_id
 from resource_managers.message_log._records import decode, encode, message_obj, to_message
 
 
@@ -68,3 +71,21 @@ def test_records_encode_as_the_old_compact_ascii_json() -> None:
     ):
         want = json.dumps(record, separators=(",", ":"), ensure_ascii=True).encode("ascii")
         assert encode(record) == want
+
+
+def test_message_ids_are_uuid4_and_a_forked_child_does_not_repeat_its_parents() -> None:
+    """Ids come from a block of os.urandom (one system call per 256 ids, not per message); a
+    forked child holds a copy of that block and must not hand out the ids the parent will."""
+    ids = [new_id() for _ in range(600)]  # more than one block
+    assert len(set(ids)) == 600
+    assert all(uuid.UUID(i).version == 4 and uuid.UUID(i).hex == i for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, new_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert child != new_id()
