@@ -682,7 +682,7 @@ def decode_payload(
     if crc != header.crc:
         raise bad_frame("crc", "checksum mismatch", header.crc, crc)
     if header.type is FrameType.MSG:
-        msg = _decode_msg(memoryview(payload).cast("B"))
+        msg = _decode_msg(payload)
         if msg is not None:
             return msg
     return _decode_generic(header.type, payload)
@@ -712,93 +712,114 @@ def _decode_generic(ftype: FrameType, payload: bytes | bytearray | memoryview) -
     return frame
 
 
-def _take_key(data: memoryview, pos: int, key: bytes) -> int:
-    """``pos`` past ``key`` if the payload has it there, else -1."""
-    end = pos + len(key)
-    return end if data[pos:end] == key else -1
-
-
-def _take_uint(data: memoryview, pos: int) -> tuple[int, int]:
+def _uint_at(data: bytes, pos: int) -> tuple[int, int]:
+    """An unsigned integer value (tag, then varint) at ``pos``."""
     if data[pos] != _UINT:
         raise _bad_payload("not the everyday form")
-    return _read_varint(data, pos + 1)
+    if data[pos + 1] < 0x80:
+        return data[pos + 1], pos + 2
+    return _read_varint(memoryview(data), pos + 1)
 
 
-def _take_str(data: memoryview, pos: int) -> tuple[str, int]:
+def _str_at(data: bytes, pos: int) -> tuple[str, int]:
+    """A text value (tag, length, UTF-8) at ``pos``."""
     if data[pos] != _STR:
         raise _bad_payload("not the everyday form")
-    raw, pos = _read_sized(data, pos + 1)
-    return _text(raw), pos
+    n, start = data[pos + 1], pos + 2
+    if n >= 0x80:
+        n, start = _read_varint(memoryview(data), pos + 1)
+    end = start + n
+    if end > len(data):
+        raise _bad_payload("text runs past the payload's end")
+    return data[start:end].decode("utf-8"), end
 
 
-def _decode_msg(data: memoryview) -> Msg | None:  # noqa: PLR0912
+def _bool_at(data: bytes, pos: int) -> bool:
+    if data[pos] not in (_FALSE, _TRUE):
+        raise _bad_payload("not the everyday form")
+    return data[pos] == _TRUE
+
+
+def _headers_at(data: bytes, pos: int) -> tuple[dict[str, Value], int]:
+    """A map of text to text at ``pos``, keys strictly ascending."""
+    if data[pos] != _MAP:
+        raise _bad_payload("not the everyday form")
+    entries, pos = _read_varint(memoryview(data), pos + 1)
+    headers: dict[str, Value] = {}
+    previous = ""
+    for i in range(entries):
+        raw, pos = _read_sized(memoryview(data), pos)
+        key = str(raw, "utf-8")
+        if i and key <= previous:
+            raise _bad_payload("header keys out of order")
+        headers[key], pos = _str_at(data, pos)
+        previous = key
+    return headers, pos
+
+
+def _decode_msg(payload: bytes | bytearray | memoryview) -> Msg | None:  # noqa: PLR0912
     """The Msg `_decode_generic` would build, read in the everyday layout `_encode_msg` writes
     (fields in canonical order, numbers unsigned, headers text); None for any other payload,
     which the generic path then reads or refuses with its own error. Nothing is accepted here
-    that the generic path would refuse: the same strict readers, keys compared whole and in
-    order, and every byte used."""
+    that the generic path would refuse: varints minimal (a one-byte one always is), text valid
+    UTF-8, header keys strictly ascending, field names compared whole and in order, every byte
+    used."""
+    data = bytes(payload)  # one small copy: bytes index and compare cheaper than a view
     try:
-        if len(data) < 2 or data[0] != _MAP or data[1] > 12:
+        if data[0] != _MAP or data[1] > 12 or not data.startswith(_K_BODY, 2):
             return None
-        count, pos, fields_ = data[1], 2, 0
-        body_at = _take_key(data, pos, _K_BODY)
-        if body_at < 0 or data[body_at] != _BYTES:
+        at = 2 + len(_K_BODY)
+        if data[at] != _BYTES:
             return None
-        raw, pos = _read_sized(data, body_at + 1)
-        body = bytes(raw)
+        n, start = data[at + 1], at + 2
+        if n >= 0x80:
+            n, start = _read_varint(memoryview(data), at + 1)
+        pos = start + n
+        if pos > len(data):
+            return None
+        body = data[start:pos]
+        count, fields_ = data[1], 7
         delivery_count = 0
-        if (at := _take_key(data, pos, _K_COUNT)) >= 0:
-            delivery_count, pos = _take_uint(data, at)
+        if data.startswith(_K_COUNT, pos):
+            delivery_count, pos = _uint_at(data, pos + len(_K_COUNT))
             fields_ += 1
-        if (at := _take_key(data, pos, _K_DEST)) < 0:
+        if not data.startswith(_K_DEST, pos):
             return None
-        destination, pos = _take_str(data, at)
-        if (at := _take_key(data, pos, _K_EPOCH)) < 0:
+        destination, pos = _str_at(data, pos + len(_K_DEST))
+        if not data.startswith(_K_EPOCH, pos):
             return None
-        epoch, pos = _take_uint(data, at)
+        epoch, pos = _uint_at(data, pos + len(_K_EPOCH))
         expires: int | None = None
-        if (at := _take_key(data, pos, _K_EXPIRES)) >= 0:
-            expires, pos = _take_uint(data, at)
+        if data.startswith(_K_EXPIRES, pos):
+            expires, pos = _uint_at(data, pos + len(_K_EXPIRES))
             fields_ += 1
         headers: dict[str, Value] = {}
-        if (at := _take_key(data, pos, _K_HEADERS)) >= 0:
-            if data[at] != _MAP:
-                return None
-            n, pos = _read_varint(data, at + 1)
-            previous: str | None = None
-            for _ in range(n):
-                raw, pos = _read_sized(data, pos)
-                key = _text(raw)
-                if previous is not None and key <= previous:
-                    return None
-                headers[key], pos = _take_str(data, pos)
-                previous = key
+        if data.startswith(_K_HEADERS, pos):
+            headers, pos = _headers_at(data, pos + len(_K_HEADERS))
             fields_ += 1
-        if (at := _take_key(data, pos, _K_ID)) < 0:
+        if not data.startswith(_K_ID, pos):
             return None
-        message_id, pos = _take_str(data, at)
+        message_id, pos = _str_at(data, pos + len(_K_ID))
         persistent = True
-        if (at := _take_key(data, pos, _K_PERSISTENT)) >= 0:
-            if data[at] not in (_FALSE, _TRUE):
-                return None
-            persistent, pos, fields_ = data[at] == _TRUE, at + 1, fields_ + 1
-        if (at := _take_key(data, pos, _K_PREV)) < 0:
+        if data.startswith(_K_PERSISTENT, pos):
+            persistent = _bool_at(data, pos + len(_K_PERSISTENT))
+            pos, fields_ = pos + len(_K_PERSISTENT) + 1, fields_ + 1
+        if not data.startswith(_K_PREV, pos):
             return None
-        prev, pos = _take_uint(data, at)
+        prev, pos = _uint_at(data, pos + len(_K_PREV))
         redelivered = False
-        if (at := _take_key(data, pos, _K_REDELIVERED)) >= 0:
-            if data[at] not in (_FALSE, _TRUE):
-                return None
-            redelivered, pos, fields_ = data[at] == _TRUE, at + 1, fields_ + 1
-        if (at := _take_key(data, pos, _K_SEQ)) < 0:
+        if data.startswith(_K_REDELIVERED, pos):
+            redelivered = _bool_at(data, pos + len(_K_REDELIVERED))
+            pos, fields_ = pos + len(_K_REDELIVERED) + 1, fields_ + 1
+        if not data.startswith(_K_SEQ, pos):
             return None
-        seq, pos = _take_uint(data, at)
-        if (at := _take_key(data, pos, _K_STREAM)) < 0:
+        seq, pos = _uint_at(data, pos + len(_K_SEQ))
+        if not data.startswith(_K_STREAM, pos):
             return None
-        stream, pos = _take_str(data, at)
-    except (FrameError, IndexError):
+        stream, pos = _str_at(data, pos + len(_K_STREAM))
+    except (FrameError, IndexError, UnicodeDecodeError):
         return None
-    if pos != len(data) or count != fields_ + 7:
+    if pos != len(data) or count != fields_:
         return None
     return Msg(stream, epoch, seq, prev, message_id, destination, body, headers, expires,
                persistent, redelivered, delivery_count)  # fmt: skip
