@@ -1,26 +1,35 @@
-"""End-to-end exactly-once messages/s: twopc against NATS JetStream and RabbitMQ, side by side.
+"""End-to-end exactly-once messages/s: twopc against a PostgreSQL outbox, NATS JetStream and
+RabbitMQ, side by side.
 
 The pipeline is the one `bench/messaging_baselines.py` describes for the brokers (read it): a
 producer inserts ``per_tx`` rows into ``produced`` and sends the same ``per_tx`` messages of 256
 bytes; a consumer receives up to ``per_tx`` messages, inserts their ids into ``consumed`` and
 acknowledges; messages/s from the first produce to the last consume, latency p50/p99 from the
-send time in a header to the consumer's commit. twopc rows, each in two processes (the producing
-application with its embedded message log and transfer thread; the consuming application with its
-embedded cursor, which the transfer reaches over TCP on loopback, authenticated):
+send time in a header to the consumer's commit. The producer and the consumer have a database
+each (two databases on one throwaway cluster; the broker rows keep both tables in the producer's).
+twopc rows, each in two processes (the producing application with its embedded message log and
+transfer thread; the consuming application with its embedded cursor, which the transfer reaches
+over TCP on loopback, authenticated):
 
-- ``twopc exactly-once``: the producer's PostgreSQL insert and its messages commit in ONE
-  two-phase transaction (`PostgresResource` + `MessageLogResource`, file decision log); the
-  consumer's insert and the deletion of its messages from the cursor likewise (`CursorResource`
-  + `PostgresResource`). Nothing can be lost or duplicated by a crash anywhere, which is more than
-  either broker row promises (see the baselines' docstring: JetStream does not fsync each message;
-  RabbitMQ's "exactly once" is the consumer's primary key).
-- ``twopc at-least-once``: the same stores with no two-phase commit: the producer commits
+- ``twopc-eo``, exactly-once with PostgreSQL as the logging last resource at both ends: the
+  producer's message-log branch is prepared, then its PostgreSQL insert commits in one phase with
+  the decision row inside it (the commit point), then the log commits; the consumer's cursor
+  branch likewise before its PostgreSQL insert. No decision-log force, no PREPARE TRANSACTION.
+  Both sides run their SQL through the branch's Core connection (`PostgresResource.connection`,
+  the lean handle for hot paths) and write their stores' commit records lazily (the defaults).
+- ``twopc-eo-file``, the same with the file decision log and PostgreSQL prepared as an ordinary
+  branch (the path before the last resource), so before and after show in one run. In both, nothing
+  can be lost or duplicated by a crash anywhere, which is more than either broker row promises
+  (JetStream does not fsync each message; RabbitMQ's "exactly once" is the consumer's primary key).
+- ``twopc-alo``, at-least-once: the same stores with no two-phase commit: the producer commits
   PostgreSQL, then sends in a one-phase log transaction; the consumer receives, commits its
   PostgreSQL insert on its own, then commits the cursor transaction (acknowledge after commit, as
-  the RabbitMQ row does). The gap between these two rows is what exactly-once costs.
-- ``twopc log+cursor only``: no database work at all: the messaging system alone.
+  the RabbitMQ row does). The gap between this row and ``twopc-eo`` is what exactly-once costs.
+- ``twopc-core``, log+cursor only: no database work at all: the messaging system alone.
+- ``outbox``: the same pipeline inside PostgreSQL (producer, relay and consumer processes; outbox,
+  inbox and processed-ids tables): `bench/messaging_outbox.py` says how.
 
-Then one row per JMS acknowledgment mode (seed 003; `messaging.session`), so the cost of each
+Then one row per JMS acknowledgment mode (`messaging.session`), so the cost of each
 guarantee is visible: a `Session` consumes messages of the same size from an embedded cursor
 (filled beforehand, no database, no transfer) with a file decision log; ``auto`` acknowledges each
 message, ``client`` every 10th, ``dups-ok`` each batch of 64, and ``transacted`` receives one
@@ -28,18 +37,22 @@ message, sends one on through an embedded message log and commits both (two-phas
 counts the cursor's, the log's and the decision log's fsyncs; ``at risk`` is how many handled
 messages a crash can bring back (redelivered) at most.
 
-Targets (printed with a verdict): at 100 messages per transaction, twopc exactly-once >= 1.0x
-JetStream's exactly-once pipeline, and exactly-once at most 10% slower than at-least-once.
+Targets (issue 14; printed with a verdict, as ratios of msg/s in the same run): ``twopc-eo`` >=
+1.0x ``outbox`` at 1 and 10 msgs/txn and >= 0.6x at 100; >= 1.5x ``jetstream`` at 1, 10 and 100;
+within 10% of ``twopc-alo`` at 100; ``twopc-core`` >= 2x ``jetstream`` at 1. ``--json PATH``
+writes one object per row: ``{"system", "per_tx", "msg_s", "p50_ms", "p99_ms"}`` with the ids
+above (``jetstream``, ``rabbitmq`` for the brokers).
 
     python bench/messaging.py [--messages 2000] [--quick] [--per-tx 1,10,100]
-        [--systems twopc,jetstream,rabbitmq] [--ack-modes auto,client,dups-ok,transacted]
-        [--ack-messages 1000]
+        [--systems twopc,outbox,jetstream,rabbitmq] [--ack-modes auto,client,dups-ok,transacted]
+        [--ack-messages 1000] [--pg-dsn DSN [--pg-consumer-dsn DSN]] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -49,7 +62,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -59,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import messaging_baselines as base  # type: ignore[import-not-found]
+import messaging_outbox as outbox  # type: ignore[import-not-found]
 from sqlalchemy import create_engine, text
 
 from coordinator import FileDecisionLog, TransactionManager
@@ -70,11 +84,29 @@ from resource_managers.cursor import Cursor, CursorResource
 from resource_managers.message_log import Message, MessageLog, MessageLogResource
 from resource_managers.postgres import PostgresResource
 from resource_managers.sequencing import Frame
+from resource_managers.throwaway import PostgresServer
 
-EXACTLY_ONCE = "twopc exactly-once (2PC with PostgreSQL both ends)"
+EXACTLY_ONCE = "twopc exactly-once (PostgreSQL last resource)"
+EXACTLY_ONCE_FILE = "twopc exactly-once (file log, PG prepared)"
 AT_LEAST_ONCE = "twopc at-least-once (ack after commit, no 2PC)"
 MESSAGING_ONLY = "twopc log+cursor only (no database)"
-MODES = {"exactly-once": EXACTLY_ONCE, "at-least-once": AT_LEAST_ONCE, "log-only": MESSAGING_ONLY}
+MODES = {
+    "exactly-once": EXACTLY_ONCE,
+    "exactly-once-file": EXACTLY_ONCE_FILE,
+    "at-least-once": AT_LEAST_ONCE,
+    "log-only": MESSAGING_ONLY,
+}
+#: the ids ``--json`` writes, one per row (issue 14 names them)
+SYSTEM_IDS = {
+    EXACTLY_ONCE: "twopc-eo",
+    EXACTLY_ONCE_FILE: "twopc-eo-file",
+    AT_LEAST_ONCE: "twopc-alo",
+    MESSAGING_ONLY: "twopc-core",
+    outbox.OUTBOX: "outbox",
+    base.JETSTREAM: "jetstream",
+    base.RABBITMQ: "rabbitmq",
+}
+SYSTEMS = ("twopc", "outbox", "jetstream", "rabbitmq")
 DESTINATION = "bench"
 SENT = base.SENT_HEADER
 
@@ -96,6 +128,17 @@ def _engine(dsn: str) -> Any:
     url = URL.create("postgresql+psycopg2", p.get("user"), p.get("password"), p.get("host"),
                      int(p["port"]) if "port" in p else None, p.get("dbname"))  # fmt: skip
     return create_engine(url, pool_size=2)
+
+
+#: the modes whose database work and messages commit in one two-phase transaction
+TWO_PHASE = ("exactly-once", "exactly-once-file")
+
+
+def _pg(mode: str, engine: Any) -> PostgresResource:
+    """The side's database: the logging last resource (its commit carries the decision; no
+    prepare, no decision-log force) for ``exactly-once``; an ordinary prepared branch under the
+    file decision log (today's default path) for ``exactly-once-file``."""
+    return PostgresResource(engine, "pg", last_resource=mode == "exactly-once")
 
 
 def _manager(node: str, workdir: Path, resources: list[Any]) -> TransactionManager:
@@ -122,8 +165,8 @@ def consumer_main(  # noqa: PLR0917 - a Process target takes positional argument
     ).start()  # fmt: skip
     engine = _engine(dsn)
     cur_res = CursorResource(cursor, "cursor")
-    pg = PostgresResource(engine, "pg")
-    resources: list[Any] = [cur_res, pg] if mode == "exactly-once" else [cur_res]
+    pg = _pg(mode, engine)
+    resources: list[Any] = [cur_res, pg] if mode in TWO_PHASE else [cur_res]
     tm = _manager("bench-consumer", workdir, resources)
     pipe.send(listener.address)
     latencies: list[float] = []
@@ -135,8 +178,8 @@ def consumer_main(  # noqa: PLR0917 - a Process target takes positional argument
                 if not got:
                     continue
                 ids = [d.headers["id"] for d in got]
-                if mode == "exactly-once":
-                    tx.join(pg).execute(INSERT_CONSUMED, {"ids": ids})
+                if mode in TWO_PHASE:
+                    pg.connection(tx).execute(INSERT_CONSUMED, {"ids": ids})
                 elif mode == "at-least-once":
                     with engine.begin() as conn:  # its own commit, before the acknowledgment
                         conn.execute(INSERT_CONSUMED, {"ids": ids})
@@ -171,8 +214,8 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
     ).start()
     engine = _engine(dsn)
     log_res = MessageLogResource(mlog, "mlog")
-    pg = PostgresResource(engine, "pg")
-    resources: list[Any] = [log_res, pg] if mode == "exactly-once" else [log_res]
+    pg = _pg(mode, engine)
+    resources: list[Any] = [log_res, pg] if mode in TWO_PHASE else [log_res]
     tm = _manager("bench-producer", workdir, resources)
     prefix = uuid.uuid4().hex[:12]
     batches = []
@@ -187,8 +230,8 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
                 with engine.begin() as conn:
                     conn.execute(INSERT_PRODUCED, {"ids": ids, "bodies": bodies})
             with tm.transaction() as tx:
-                if mode == "exactly-once":
-                    tx.join(pg).execute(INSERT_PRODUCED, {"ids": ids, "bodies": bodies})
+                if mode in TWO_PHASE:
+                    pg.connection(tx).execute(INSERT_PRODUCED, {"ids": ids, "bodies": bodies})
                 branch = tx.join(log_res)
                 sent = str(time.time_ns())
                 for mid, body in zip(ids, bodies, strict=True):
@@ -205,22 +248,25 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
 # -- one row ---------------------------------------------------------------------------------------
 
 
-def run_twopc(mode: str, dsn: str, per_tx: int, messages: int) -> base.PipelineResult:
-    base.prepare_tables(dsn)
+def run_twopc(mode: str, dsns: tuple[str, str], per_tx: int, messages: int) -> base.PipelineResult:
+    """One twopc row; ``dsns`` are the producer's and the consumer's databases."""
+    producer_dsn, consumer_dsn = dsns
+    for dsn in dsns:
+        base.prepare_tables(dsn)
     workdir = Path(tempfile.mkdtemp(prefix="twopc-bench-msg-"))
     key = secrets.token_bytes(32)
     ctx = mp.get_context("fork")
     c_parent, c_child = ctx.Pipe()
     p_parent, p_child = ctx.Pipe()
     consumer = ctx.Process(
-        target=consumer_main, args=(mode, dsn, workdir, key, per_tx, messages, c_child)
+        target=consumer_main, args=(mode, consumer_dsn, workdir, key, per_tx, messages, c_child)
     )
     consumer.start()
     try:
         address = _recv(c_parent, consumer)
         producer = ctx.Process(
             target=producer_main,
-            args=(mode, dsn, workdir, key, per_tx, messages, address, p_child),
+            args=(mode, producer_dsn, workdir, key, per_tx, messages, address, p_child),
         )
         producer.start()
         try:
@@ -239,7 +285,7 @@ def run_twopc(mode: str, dsn: str, per_tx: int, messages: int) -> base.PipelineR
             consumer.kill()
         shutil.rmtree(workdir, ignore_errors=True)
     if mode != "log-only":
-        base._verify(dsn, messages)
+        outbox.verify(producer_dsn, consumer_dsn, messages)
     ordered = sorted(latencies)
     seconds = finished - started
     return base.PipelineResult(
@@ -266,7 +312,7 @@ def _recv(pipe: Pipe, proc: Any, timeout: float = base.STALL_TIMEOUT_S * 3) -> A
     return pipe.recv()
 
 
-# -- acknowledgment modes (seed 003) ---------------------------------------------------------------
+# -- acknowledgment modes ---------------------------------------------------------------
 
 ACK_MODES = "auto,client,dups-ok,transacted"
 CLIENT_ACK_EVERY = 10
@@ -345,7 +391,7 @@ def run_ack_modes(modes: list[str], messages: int) -> list[AckModeResult]:
     """One row per mode, printed as a table after the last (nothing for no modes)."""
     if not modes:
         return []
-    print(f"\nJMS acknowledgment modes (seed 003), {messages} messages of {base.BODY_BYTES} "
+    print(f"\nJMS acknowledgment modes, {messages} messages of {base.BODY_BYTES} "
           "bytes per row")  # fmt: skip
     results = []
     for mode in modes:
@@ -371,25 +417,70 @@ def print_ack_table(results: list[AckModeResult]) -> None:
 
 # -- the table ---------------------------------------------------------------------------------
 
+#: issue 14's targets: (numerator, denominator, msgs per txn, lowest ratio that meets it)
+TARGETS = (
+    *(("twopc-eo", "outbox", n, 1.0) for n in (1, 10)),
+    ("twopc-eo", "outbox", 100, 0.6),
+    *(("twopc-eo", "jetstream", n, 1.5) for n in (1, 10, 100)),
+    ("twopc-eo", "twopc-alo", 100, 0.9),  # exactly-once within 10% of at-least-once
+    ("twopc-core", "jetstream", 1, 2.0),
+)
+
 
 def verdicts(results: list[base.PipelineResult]) -> list[str]:
-    def rate(system: str, per_tx: int) -> float | None:
-        for r in results:
-            if r.system == system and r.per_tx == per_tx and r.skipped is None:
-                return r.msgs_per_s
-        return None
-
+    """One line per target of issue 14 whose two rows ran: the ratio and MET or MISSED."""
+    rates = {(SYSTEM_IDS[r.system], r.per_tx): r.msgs_per_s for r in results if r.skipped is None}
     out = []
-    eo, js, alo = rate(EXACTLY_ONCE, 100), rate(base.JETSTREAM, 100), rate(AT_LEAST_ONCE, 100)
-    if eo is not None and js is not None:
-        ok = eo >= js
-        out.append(f"{'MET' if ok else 'MISSED'}: exactly-once vs JetStream at 100/tx: "
-                   f"{eo / js:.2f}x (target >= 1.0x)")  # fmt: skip
-    if eo is not None and alo is not None:
-        cost = 1 - eo / alo
-        out.append(f"{'MET' if cost <= 0.10 else 'MISSED'}: exactly-once costs {cost:.0%} over "
-                   "at-least-once at 100/tx (target <= 10%)")  # fmt: skip
+    for num, den, per_tx, least in TARGETS:
+        a, b = rates.get((num, per_tx)), rates.get((den, per_tx))
+        if a is None or b is None:
+            continue
+        ok = a / b >= least
+        out.append(f"{'MET' if ok else 'MISSED':<6} {num} / {den} at {per_tx}/tx: "
+                   f"{a / b:.2f}x (target >= {least}x)")  # fmt: skip
     return out
+
+
+def as_json(results: list[base.PipelineResult]) -> list[dict[str, Any]]:
+    """One object per row, in ``--json``'s format (a skipped row carries ``skipped``)."""
+    out = []
+    for r in results:
+        row: dict[str, Any] = {"system": SYSTEM_IDS[r.system], "per_tx": r.per_tx}
+        if r.skipped is not None:
+            row["skipped"] = r.skipped
+        else:
+            row |= {"msg_s": round(r.msgs_per_s, 1), "p50_ms": round(r.p50_ms, 3),
+                    "p99_ms": round(r.p99_ms, 3)}  # fmt: skip
+        out.append(row)
+    return out
+
+
+@contextlib.contextmanager
+def databases(producer_dsn: str | None, consumer_dsn: str | None) -> Iterator[tuple[str, str]]:
+    """The producer's and the consumer's databases: the given DSNs (the consumer's defaults to
+    the producer's), or two databases on a throwaway cluster (removed at the end)."""
+    if producer_dsn:
+        yield producer_dsn, consumer_dsn or producer_dsn
+        return
+    server = PostgresServer()
+    try:
+        server.start()
+        producer, consumer = (server.dsn(server.create_database(n)) for n in DATABASES)
+        yield producer, consumer
+    finally:
+        server.remove()
+
+
+DATABASES = ("bench_producer", "bench_consumer")
+
+
+def system_list(value: str) -> list[str]:
+    """``--systems``: a comma-separated subset of `SYSTEMS`."""
+    systems = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; known: {','.join(SYSTEMS)}")
+    return systems
 
 
 def main() -> None:
@@ -397,8 +488,10 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=2000, help="messages per row (2000)")
     parser.add_argument("--quick", action="store_true", help="300 messages per row")
     parser.add_argument("--per-tx", default="1,10,100", help="batch sizes (1,10,100)")
-    parser.add_argument("--systems", default="twopc,jetstream,rabbitmq")
-    parser.add_argument("--pg-dsn", help="PostgreSQL DSN (default: a throwaway cluster)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), type=system_list,
+                        help=f"rows to run ({','.join(SYSTEMS)})")  # fmt: skip
+    parser.add_argument("--pg-dsn", help="the producer's PostgreSQL (default: a throwaway cluster)")
+    parser.add_argument("--pg-consumer-dsn", help="the consumer's PostgreSQL (default: --pg-dsn)")
     parser.add_argument("--nats-url", help="JetStream server (default the local one, else private)")
     parser.add_argument("--rabbitmq-url", default=base.RABBITMQ_URL)
     parser.add_argument(
@@ -409,15 +502,17 @@ def main() -> None:
     )
     parser.add_argument("--ack-messages", type=int, default=1000,
                         help="messages per acknowledgment-mode row (1000)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write one object per pipeline row here")
     args = parser.parse_args()
     if args.quick:
         args.messages = 300
         args.ack_messages = min(args.ack_messages, 300)
     base.exit_on_sigterm()  # so a killed run still removes its throwaway PostgreSQL
     batch_sizes = [int(n) for n in args.per_tx.split(",")]
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = args.systems
     results: list[base.PipelineResult] = []
-    with base.database(args.pg_dsn) as dsn, contextlib.ExitStack() as stack:
+    with databases(args.pg_dsn, args.pg_consumer_dsn) as dsns, contextlib.ExitStack() as stack:
+        dsn = dsns[0]  # the brokers' rows keep both tables in the producer's database
         print(f"python {sys.version.split()[0]}, {platform.platform()}, {os.cpu_count()} CPUs")
         print(base.pg_context(dsn))
         nats_url = None
@@ -431,7 +526,9 @@ def main() -> None:
         runners: list[tuple[str, Callable[[int], base.PipelineResult]]] = []
         if "twopc" in systems:
             for mode in MODES:
-                runners.append((mode, lambda n, m=mode: run_twopc(m, dsn, n, args.messages)))
+                runners.append((mode, lambda n, m=mode: run_twopc(m, dsns, n, args.messages)))
+        if "outbox" in systems:
+            runners.append(("outbox", lambda n: outbox.run_outbox(*dsns, n, args.messages, _recv)))
         if "jetstream" in systems:
             runners.append(("jetstream", lambda n: (
                 base.run_jetstream(dsn, n, args.messages, nats_url=nats_url) if nats_url
@@ -444,8 +541,12 @@ def main() -> None:
                 print(f"  running {name} at {per_tx}/tx ...", flush=True)
                 results.append(runner(per_tx))
     base.print_table(results)
+    print("targets (issue 14), ratios of msg/s in this run:")
     for line in verdicts(results):
-        print(line)
+        print("  " + line)
+    if args.json:
+        args.json.write_text(json.dumps(as_json(results), indent=1) + "\n")
+        print(f"wrote {args.json}")
     run_ack_modes(args.ack_modes, args.ack_messages)
 
 

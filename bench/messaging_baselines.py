@@ -737,17 +737,18 @@ RUNNERS: dict[str, Callable[..., PipelineResult]] = {
 
 
 def print_table(results: list[PipelineResult]) -> None:
+    w = max([42, *(len(r.system) for r in results)])
     print(
-        f"{'per_tx':>6}  {'system':<42} {'msgs':>6} {'seconds':>8} {'msg/s':>8} "
+        f"{'per_tx':>6}  {'system':<{w}} {'msgs':>6} {'seconds':>8} {'msg/s':>8} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'dups':>5} {'prod s':>7} {'batch':>6}"
     )
     for per_tx in sorted({r.per_tx for r in results}):
         for r in (r for r in results if r.per_tx == per_tx):
             if r.skipped:
-                print(f"{per_tx:>6}  {r.system:<42} skipped: {r.skipped}")
+                print(f"{per_tx:>6}  {r.system:<{w}} skipped: {r.skipped}")
                 continue
             print(
-                f"{per_tx:>6}  {r.system:<42} {r.messages:>6} {r.seconds:>8.2f} "
+                f"{per_tx:>6}  {r.system:<{w}} {r.messages:>6} {r.seconds:>8.2f} "
                 f"{r.msgs_per_s:>8,.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.duplicates:>5} "
                 f"{r.produce_seconds:>7.2f} {r.mean_consume_batch:>6.1f}"
             )

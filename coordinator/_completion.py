@@ -3,7 +3,8 @@
 The ordering rules this module enforces (each marked by a crash point):
 - Nothing is logged before every branch voted; a no vote rolls back and logs nothing.
 - The COMMIT record is forced before any branch is told to commit: that write is the commit point.
-- END is written only after every branch has committed, and it need not be forced.
+- END is written only after every branch has committed, and it need not be forced; with a branch
+  whose commit record is lazy (`lazy_commit`), only once that record is durable.
 - If the log cannot say whether the COMMIT record is on disk, nothing is rolled back: the outcome
   is unknown until recovery reads the log again.
 """
@@ -11,6 +12,7 @@ The ordering rules this module enforces (each marked by a crash point):
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import time
 import warnings
@@ -35,6 +37,7 @@ from .errors import (
     TransactionRolledBack,
     TransactionTimedOut,
 )
+from .lazy_commit import EndLatch, commits_lazily
 from .protocol import BranchResult, Plan, Verdict
 from .resource import Outcome, Vote
 from .states import TxState
@@ -437,12 +440,13 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
+    latch = EndLatch()
     if tx.runtime.parallel and len(branches) > 1:
         pool = tx.runtime.branch_executor()
-        pending = [pool.submit(_commit_branch, tx, b) for b in branches]
+        pending = [pool.submit(_commit_branch, tx, b, latch) for b in branches]
         answers = (future.result() for future in pending)  # _commit_branch never raises
     else:
-        answers = (_commit_branch(tx, b) for b in branches)
+        answers = (_commit_branch(tx, b, latch) for b in branches)
     results: dict[str, BranchResult] = {}
     for index, (name, result) in enumerate(zip(names, answers, strict=True), 1):
         results[name] = result
@@ -451,10 +455,8 @@ def _phase_two(
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
-        if end is None:
-            write_end(tx.runtime.log, tx.gtrid)
-        else:
-            end()
+        if not latch.arm(end or functools.partial(_end_record, tx.runtime.log, tx.gtrid)):
+            crash_point("tm.end_deferred")  # a lazy commit record is not durable yet
     _finish(tx, TxState.COMMITTED, outcome)
     if outcome.is_heuristic:
         raise _HEURISTIC_ERRORS.get(outcome, HeuristicMixed)(
@@ -466,9 +468,15 @@ def _phase_two(
     return outcome
 
 
-def _commit_branch(tx: Transaction, branch: Branch) -> BranchResult:
+def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch) -> BranchResult:
+    """Commit one branch; a store that can write its commit record lazily does (`lazy_commit`):
+    the decision outlives it, since ``latch`` holds the transaction's end until it is durable."""
     try:
-        reported = branch.resource.commit(branch.xid)
+        lazy = commits_lazily(branch.resource)
+        if lazy is not None:
+            reported = lazy.commit_lazily(branch.xid, latch.hold())
+        else:
+            reported = branch.resource.commit(branch.xid)
     except Exception as exc:
         log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
         tx.runtime.metrics.incr("commit_unreachable")
@@ -498,6 +506,10 @@ def record_heuristic(log_: DecisionLog, gtrid: str, branch: str, outcome: Outcom
         log_.log_heuristic(HeuristicRecord(gtrid, branch, outcome.value, "", time.time()))
     except (LogError, FencedError) as exc:
         log.critical("heuristic %s of %s/%s NOT recorded: %r", outcome.value, gtrid, branch, exc)
+
+
+def _end_record(log_: DecisionLog, gtrid: str) -> None:
+    write_end(log_, gtrid)
 
 
 def write_end(log_: DecisionLog, gtrid: str) -> bool:

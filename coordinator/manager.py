@@ -498,6 +498,13 @@ class TransactionManager:
         for ticker in self._tickers:
             ticker.stop()
         self._runtime.shutdown()
+        for resource in list(self._resources.values()):  # lazy commit records: END them now
+            flush = getattr(resource, "flush_commits", None)
+            if flush is not None:
+                try:
+                    flush()
+                except Exception as exc:  # their decisions stay; recovery ends them later
+                    log.warning("flushing the commits of %s failed: %r", resource.name, exc)
         self.log.close()
 
     def __enter__(self) -> TransactionManager:

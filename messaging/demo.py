@@ -13,7 +13,9 @@ a fresh shared secret, handed to the child on stdin).
 
 Branches prepare and commit in name order, ``mlog``, ``postgres``, ``redis``, and crash points
 count them from 1, so the default crash point ``tm.after_commit.2:7`` kills the child with
-transfer 7 committed in the message log and PostgreSQL and only prepared in Redis: its credit
+transfer 7 committed in the message log and PostgreSQL and only prepared in Redis (the message
+log's commit record is written lazily, so the kill usually leaves that branch prepared on disk
+too; the decision, kept until it is written, makes recovery commit it again): its credit
 staged under the gid, its keys locked. The parent shows that state as Redis, PostgreSQL, the
 message log and the decision log hold it, runs recovery in a new manager as a restarted service
 would, restarts the transfer from the reopened log, consumes every message in a transaction with
@@ -79,7 +81,8 @@ NODE_ID = "demo-1"
 CONSUMER_ID = "demo-consumer"
 # Do not rename: phases run in ascending name order, "mlog" < "postgres" < "redis", and crash
 # points count branches from 1, so tm.after_commit.2 (the second branch to commit) leaves the
-# message log and PostgreSQL committed and Redis prepared.
+# message log and PostgreSQL committed (the log's record lazily: maybe prepared on disk) and Redis
+# prepared.
 MLOG, PG, REDIS = "mlog", "postgres", "redis"
 CURSOR = "cursor"
 DESTINATION = "transfers"  # where every transfer's message goes

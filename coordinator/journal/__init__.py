@@ -11,10 +11,12 @@ from ._framing import MAX_RECORD_BYTES, SegmentHeader
 from ._gate import Gate
 from ._group_commit import Ticket
 from ._journal import DEFAULT_SEGMENT_BYTES, Journal, JournalStats
+from ._lazy import DEFAULT_LAZY_DELAY, LazyWatch
 from ._quarantine import QUARANTINE_DIR, Quarantined, find_unreplayable, quarantine
 from ._segment import Damage, SegmentReader, list_segments, read_current
 
 __all__ = [
+    "DEFAULT_LAZY_DELAY",
     "DEFAULT_SEGMENT_BYTES",
     "MAX_RECORD_BYTES",
     "QUARANTINE_DIR",
@@ -24,6 +26,7 @@ __all__ = [
     "Gate",
     "Journal",
     "JournalStats",
+    "LazyWatch",
     "OsFileOps",
     "Quarantined",
     "SegmentHeader",

@@ -113,10 +113,12 @@ class RemoteCursor(CursorAdmin):
         server_hostname: str | None = None,
         timeout: float = 30.0,
         sort_key: str | None = None,
+        lazy_commit: bool = True,
     ) -> None:
         super().__init__(
             address, secret, name=name, client_id=client_id, tls=tls,
             server_hostname=server_hostname, timeout=timeout, sort_key=sort_key,
+            lazy_commit=lazy_commit,
         )  # fmt: skip
         self._branches: dict[Xid, RemoteConsumerBranch] = {}
         self._init_admin()
@@ -212,6 +214,10 @@ class RemoteCursor(CursorAdmin):
                 return self._finish(branch, FrameType.XA_PREPARE, args, _vote)
             except (_Unsent, _Lost) as exc:
                 raise self._lost(branch, f"connection broke at prepare: {exc}") from exc
+
+    def _active(self, xid: Xid) -> bool:
+        with self._lock:
+            return xid in self._branches
 
     def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
         if not one_phase:

@@ -67,10 +67,12 @@ class RemoteMessageLog(_RemoteResource):
         timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         sort_key: str | None = None,
+        lazy_commit: bool = True,
     ) -> None:
         super().__init__(
             address, secret, name=name, client_id=client_id, tls=tls,
             server_hostname=server_hostname, timeout=timeout, sort_key=sort_key,
+            lazy_commit=lazy_commit,
         )  # fmt: skip
         if max_message_bytes < 1:
             raise ProgrammingError("max_message_bytes must be >= 1")
@@ -106,6 +108,10 @@ class RemoteMessageLog(_RemoteResource):
             raise RemoteUnavailable(
                 f"{self._name}: no answer to the prepare of {xid} ({exc}); it rolls back"
             ) from exc
+
+    def _active(self, xid: Xid) -> bool:
+        with self._lock:
+            return xid in self._branches
 
     def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
         if not one_phase:

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError, InvalidXidError, ProgrammingError
 from coordinator.resource import Outcome
 from coordinator.xid import Xid, branches_of, is_sub_branch_of, validate_resource_name
@@ -33,6 +34,7 @@ from messaging.auth import SharedSecret
 from messaging.connection import Address, Connection
 from messaging.frames import FrameType, Value, XaReply, XaRequest
 
+from ._commit_replies import CommitReplies
 from ._pool import _Pool
 from ._replies import Result, _Bad, _gids, _outcome
 from .protocol import RemoteUnavailable, error_from_reply
@@ -65,6 +67,7 @@ class _RemoteResource:
         server_hostname: str | None,
         timeout: float,
         sort_key: str | None,
+        lazy_commit: bool,
     ) -> None:
         if not timeout > 0:
             raise ProgrammingError("timeout must be > 0 seconds")
@@ -77,6 +80,8 @@ class _RemoteResource:
         )  # fmt: skip
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._replies = CommitReplies(self)
+        self.lazy_commit = lazy_commit
 
     @property
     def name(self) -> str:
@@ -123,27 +128,46 @@ class _RemoteResource:
     ) -> T:
         """Send one request on ``conn`` and decode its answer. Raises `_Unsent`, `_Lost` (the
         connection is closed then: out of step, it cannot be trusted) or the server's error."""
+        request_id = self._send(conn, verb, xid, args)
+        return self._answer(conn, request_id, verb.name, wait + self.timeout, decode)
+
+    def _send(
+        self, conn: Connection, verb: FrameType, xid: Xid | None, args: dict[str, Value]
+    ) -> int:
+        """Send one request; its id. `_Unsent` (the connection closed) if it did not go."""
         request = XaRequest(verb, next(self._ids), xid, {"rm": self._name, **args})
         try:
             conn.send(request)
         except OSError as exc:
             conn.close()
             raise _Unsent(str(exc)) from exc
+        return request.request_id
+
+    def _answer(
+        self,
+        conn: Connection,
+        request_id: int,
+        verb: str,
+        timeout: float,
+        decode: Callable[[Result], T],
+    ) -> T:
+        """Read and decode the answer to request ``request_id``: `_Lost` (the connection closed,
+        out of step) if none came, the server's error if it refused."""
         try:
-            reply = conn.recv(timeout=wait + self.timeout)  # TimeoutError is an OSError
+            reply = conn.recv(timeout=timeout)  # TimeoutError is an OSError
         except (OSError, FrameError) as exc:
             conn.close()
-            raise _Lost(f"{verb.name}: {exc!r}") from exc
-        if not isinstance(reply, XaReply) or reply.request_id != request.request_id:
+            raise _Lost(f"{verb}: {exc!r}") from exc
+        if not isinstance(reply, XaReply) or reply.request_id != request_id:
             conn.close()  # EOF (None), the server's refusal, or out of step
-            raise _Lost(f"expected the reply to {verb.name}, got {reply!r}"[:300])
+            raise _Lost(f"expected the reply to {verb}, got {reply!r}"[:300])
         if reply.status != "ok":
             raise error_from_reply(reply)  # an answer: the connection is still in step
         try:
             return decode(reply.result)
         except (_Bad, KeyError) as exc:
             conn.close()
-            raise _Lost(f"malformed reply to {verb.name}: {exc!r}") from exc
+            raise _Lost(f"malformed reply to {verb}: {exc!r}") from exc
 
     def _call(
         self,
@@ -183,6 +207,38 @@ class _RemoteResource:
 
     def _commit_prepared(self, xid: Xid) -> Outcome | None:
         return self._call(FrameType.XA_COMMIT, xid, {"one_phase": False}, _outcome, idempotent=True)
+
+    def _active(self, xid: Xid) -> bool:
+        """The branch is still in its work phase here (never prepared)."""
+        raise NotImplementedError
+
+    def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
+        """Phase two's commit without waiting for the answer (`coordinator.lazy_commit`): sent,
+        and answered on `CommitReplies`' thread, which runs ``on_durable`` once the server said
+        committed. A request that cannot be sent is made the ordinary way, here, as is every
+        commit with ``lazy_commit=False`` (then a lost answer reaches the caller as
+        `CompletionPending`; lazily, only the log and recovery hear of it)."""
+        self._check(xid)
+        if self._active(xid):
+            raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+        if not self.lazy_commit:
+            outcome = self._commit_prepared(xid)
+            on_durable()
+            return outcome
+        conn = self._pool.acquire()
+        try:
+            request_id = self._send(conn, FrameType.XA_COMMIT, xid, {"one_phase": False})
+        except _Unsent:
+            outcome = self._commit_prepared(xid)
+            on_durable()
+            return outcome
+        self._replies.expect(conn, request_id, xid, on_durable)
+        crash_point(f"remote.{self._name}.commit_sent")
+        return None
+
+    def flush_commits(self) -> None:
+        """Return once every commit answer expected so far was handled (manager close)."""
+        self._replies.flush()
 
     def _rollback_remote(self, xid: Xid) -> Outcome | None:
         return self._call(FrameType.XA_ROLLBACK, xid, {}, _outcome, idempotent=True)

@@ -1,26 +1,35 @@
 """The cursor's side of the transfer protocol: a connection handler for the ``transfer`` role.
 
-It reads MSG frames, takes whatever has already arrived as one batch (so a burst costs one fsync:
-`Cursor.deliver_many`), lets the stream filter judge each frame, persists the accepted messages
-with the filter state, and only then acknowledges, once per stream, with the last accepted number
-("order acknowledgment"). Duplicates and out-of-order frames are dropped and answered with that
+It reads MSG frames, takes whatever has already arrived as one batch, lets the stream filter judge
+each frame, persists the accepted messages with the filter state, and only then acknowledges, once
+per stream, with the last accepted number ("order acknowledgment"). By default the records are
+not forced (`Cursor.deliver_lazily`): the cursor's next forced record — a consumer's prepare or
+commit — carries them to disk, or an fsync of its own a moment later, and the acknowledgments
+leave (from this connection's acknowledgment thread) only then; so a message costs the transfer
+no fsync of its own while consumers are busy. ``lazy_acks=False`` forces each batch
+(`Cursor.deliver_many`: one fsync per burst) and acknowledges on this thread.
+
+Duplicates and out-of-order frames are dropped and answered with that
 same acknowledgment, which tells the sender where the stream stands. A frame that breaks the
 protocol closes this connection; a well-formed message no log could have written (a bad
 destination, a header that is not text) is refused with a NACK and the connection goes on.
 
-Crash points: ``xfer.cursor.after_persist`` (a batch is durable, its acknowledgments not sent) and
-``xfer.cursor.after_ack``.
+Crash points: ``xfer.cursor.after_persist`` (a batch is applied, durable unless lazy, its
+acknowledgments not sent) and ``xfer.cursor.after_ack``.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections import Counter
 
 from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError
 from resource_managers.cursor import Cursor
 from resource_managers.message_log import InvalidMessageError, Message
+from resource_managers.sequencing import Ack as SeqAck
 from resource_managers.sequencing import Frame
 
 from ..connection import Connection
@@ -37,13 +46,29 @@ class TransferReceiver:
     listener (``stats`` adds them up). ``idle_timeout``: a connection silent that long is given
     up (the sender pings far more often)."""
 
-    def __init__(self, cursor: Cursor, *, batch: int = 1024, idle_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        cursor: Cursor,
+        *,
+        batch: int = 1024,
+        idle_timeout: float = 30.0,
+        lazy_acks: bool = True,
+    ) -> None:
         self.cursor = cursor
         self.batch = batch
         self.idle_timeout = idle_timeout
+        self.lazy_acks = lazy_acks
         self.stats: Counter[str] = Counter()
 
     def __call__(self, conn: Connection) -> None:
+        acks = _AckSender(conn) if self.lazy_acks else None
+        try:
+            self._serve(conn, acks)
+        finally:
+            if acks is not None:
+                acks.close()
+
+    def _serve(self, conn: Connection, acks: _AckSender | None) -> None:
         while True:
             first = conn.recv(timeout=self.idle_timeout)
             if first is None:
@@ -63,15 +88,35 @@ class TransferReceiver:
                     return
                 else:
                     raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
+            if acks is not None:  # everything answers in order, behind the records' fsync
+                self._deliver_lazily(items, replies, acks)
+                continue
             if items:
-                acks = self.cursor.deliver_many(items)
-                crash_point("xfer.cursor.after_persist")
-                replies += [Ack(a.stream, a.epoch, a.seq) for a in acks]
-                self.stats["messages"] += len(items)
-                self.stats["batches"] += 1
-            conn.send_many(replies)
+                replies += [Ack(a.stream, a.epoch, a.seq) for a in self.cursor.deliver_many(items)]
+                self._delivered(items)
+            if replies:
+                conn.send_many(replies)
             if items:
                 crash_point("xfer.cursor.after_ack")
+
+    def _deliver_lazily(
+        self, items: list[tuple[Frame, Message]], replies: list[WireFrame], acks: _AckSender
+    ) -> None:
+        """The batch's answers (PONGs and NACKs in frame order, then one ACK per stream) leave
+        once every record before them is durable, so a PONG still means "all before it is
+        answered", and nothing is acknowledged that a crash could take back."""
+
+        def answer(done: list[SeqAck]) -> None:
+            acks.put([*replies, *(Ack(a.stream, a.epoch, a.seq) for a in done)])
+
+        self.cursor.deliver_lazily(items, answer)
+        if items:
+            self._delivered(items)
+
+    def _delivered(self, items: list[tuple[Frame, Message]]) -> None:
+        crash_point("xfer.cursor.after_persist")
+        self.stats["messages"] += len(items)
+        self.stats["batches"] += 1
 
     def _arrived(self, conn: Connection) -> list[WireFrame]:
         """Frames already in the socket (or TLS) buffer, without waiting for more."""
@@ -93,3 +138,44 @@ class TransferReceiver:
             self.stats["refused"] += 1
             log.error("refusing message %s of %s: %s", msg.message_id, msg.stream, exc)
             replies.append(Nack(msg.stream, msg.epoch, msg.seq, INVALID_MESSAGE, str(exc)[:500]))
+
+
+class _AckSender:
+    """Sends a connection's answers from a thread of its own: they become due when the cursor's
+    records are durable, often on a consumer's thread (whose forced record carried them), which
+    must never block on a peer that stopped reading."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[list[WireFrame] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="twopc-transfer-acks", daemon=True)
+        self._thread.start()
+
+    def put(self, frames: list[WireFrame]) -> None:
+        if frames:
+            self._queue.put(frames)
+
+    def close(self) -> None:
+        """Stop after what is queued; acknowledgments due later are dropped (the log resends,
+        and the cursor re-acknowledges them as duplicates)."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            frames = self._queue.get()
+            if frames is None:
+                return
+            while True:  # what else is due goes in the same send
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                frames += more
+            try:
+                self._conn.send_many(frames)
+            except OSError:
+                return  # the connection is gone: the log resends what it did not hear of
+            crash_point("xfer.cursor.after_ack")

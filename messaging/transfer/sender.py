@@ -140,10 +140,13 @@ class LogTransfer:
             return {s: len(sender.window) for s, sender in self._senders.items() if sender.window}
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until the log holds no unacknowledged message for this cursor."""
+        """Wait until the log holds no unacknowledged message for this cursor, nor a commit
+        whose messages are not visible yet (a lazy commit record on its way to disk)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not any(self.mlog.pending(s) for s in self.mlog.streams() if self._wanted(s)):
+            if not self.mlog.settling_commits() and not any(
+                self.mlog.pending(s) for s in self.mlog.streams() if self._wanted(s)
+            ):
                 return True
             time.sleep(0.01)
         return False

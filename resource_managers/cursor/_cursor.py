@@ -44,11 +44,13 @@ from coordinator.errors import (
     TransactionRolledBack,
 )
 from coordinator.journal import (
+    DEFAULT_LAZY_DELAY,
     DEFAULT_SEGMENT_BYTES,
     Compaction,
     FileOps,
     Gate,
     Journal,
+    LazyWatch,
     Ticket,
 )
 from resource_managers.message_log import (
@@ -148,6 +150,7 @@ class Cursor:
         tombstone_seconds: float = DEFAULT_TOMBSTONE_SECONDS,
         file_ops: FileOps | None = None,
         clock_ms: Callable[[], int] = now_ms,
+        lazy_delay: float = DEFAULT_LAZY_DELAY,
     ) -> None:
         if max_deliveries < 1:
             raise ProgrammingError("max_deliveries must be >= 1")
@@ -169,6 +172,9 @@ class Cursor:
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"cursor {self.directory}", log
         )
+        self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"cursor {directory}")
+        self._settling: set[str] = set()  # gids whose lazy commit record is not durable yet
+        self._last_accept: Ticket | None = None  # the newest lazy M record (`deliver_lazily`)
         try:
             self._filter = StreamFilter(self._state.filter)
             for gid in list(self._state.handed):  # their process is gone: presumed abort
@@ -217,8 +223,71 @@ class Cursor:
         with self._stream_lock(frame.stream):
             decision = self.offer(frame)
             if decision.ack is not None:
+                self._filter_durable()
                 return decision.ack
             return self.accept(message, decision)
+
+    def deliver_lazily(
+        self, items: Sequence[tuple[Frame, Message]], send: Callable[[list[Ack]], None]
+    ) -> None:
+        """`deliver_many` whose ``M`` records are not forced: they are applied at once (the
+        messages available, the filter advanced) and ``send`` gets the acknowledgments only once
+        the records are durable — carried by the cursor's next forced record (a consumer's
+        prepare or commit, which the journal writes after them) or by an fsync of its own
+        ``lazy_delay`` later. The log discards a message only on its acknowledgment, so a crash
+        before then loses nothing: the log resends. A re-acknowledgment (a batch of duplicates)
+        waits likewise for every accepted record before it, since the filter it reports may be
+        ahead of the disk. ``send`` may run on another thread; if a record's write fails it
+        never runs (the journal refuses writes from then on)."""
+        self._check_batch(items)
+        streams = sorted({frame.stream for frame, _ in items})
+        with ExitStack() as stack:
+            for stream in streams:
+                stack.enter_context(self._stream_lock(stream))
+            records, trial = self._trial(items, streams)
+            self._gate.enter_shared()
+            try:
+                with self._lock:
+                    for record, decision in records:
+                        self._last_accept = self._submit_locked(record, False)
+                        self._filter.adopt(decision)
+                    for verdict, n in trial.counts.items():
+                        self._filter.counts[verdict] += n
+                    if records:
+                        self.changed.notify_all()
+                    ticket = self._last_accept
+                    acks = [self._filter.ack_for(stream) for stream in streams]
+            finally:
+                self._gate.exit_shared()
+        if ticket is None or (ticket.done and ticket.error is None):
+            send(acks)
+        else:
+            self._lazy.watch(ticket, lambda: send(acks))
+            self._lazy.settle()
+        self._compaction.maybe()
+
+    def _check_batch(self, items: Sequence[tuple[Frame, Message]]) -> None:
+        for frame, message in items:  # the whole batch is judged before a record is written
+            if frame.message_id != message.message_id:
+                raise ProgrammingError(
+                    f"frame {frame.message_id} carries message {message.message_id}"
+                )
+            check_message(message)
+
+    def _trial(
+        self, items: Sequence[tuple[Frame, Message]], streams: list[str]
+    ) -> tuple[list[tuple[dict[str, Any], Decision]], StreamFilter]:
+        """Under the streams' locks: judge the batch in arrival order on a copy of the filter;
+        the ``M`` records of the accepted ones, and the copy (its verdict counts)."""
+        with self._lock:
+            trial = StreamFilter({s: self._filter.state(s) for s in streams})
+        records: list[tuple[dict[str, Any], Decision]] = []
+        for frame, message in items:
+            decision = trial.offer(frame)
+            if decision.verdict.accepts:
+                trial.adopt(decision)
+                records.append((self._accept_record(message, decision), decision))
+        return records, trial
 
     def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
         """Judge a batch of frames in arrival order, persist every accepted message with its
@@ -230,32 +299,29 @@ class Cursor:
         `InvalidMessageError` writes nothing. A record that fails to write leaves the batch
         unadopted and unacknowledged; the journal is then poisoned (nothing more is written),
         so no later record can contradict it."""
-        for frame, message in items:  # the whole batch is judged before a record is written
-            if frame.message_id != message.message_id:
-                raise ProgrammingError(
-                    f"frame {frame.message_id} carries message {message.message_id}"
-                )
-            check_message(message)
+        self._check_batch(items)
         streams = sorted({frame.stream for frame, _ in items})
         with ExitStack() as stack:
             for stream in streams:
                 stack.enter_context(self._stream_lock(stream))
-            with self._lock:
-                trial = StreamFilter({s: self._filter.state(s) for s in streams})
-            records: list[tuple[dict[str, Any], Decision]] = []
-            for frame, message in items:
-                decision = trial.offer(frame)
-                if decision.verdict.accepts:
-                    trial.adopt(decision)
-                    records.append((self._accept_record(message, decision), decision))
+            records, trial = self._trial(items, streams)
             if records:
                 self._persist_batch(records)
             with self._lock:
                 for verdict, n in trial.counts.items():
                     self._filter.counts[verdict] += n
                 acks = [self._filter.ack_for(stream) for stream in streams]
+        self._filter_durable()
         self._compaction.maybe()
         return acks
+
+    def _filter_durable(self) -> None:
+        """Before the filter's state is reported as an acknowledgment: make every lazily
+        written ``M`` record durable (`deliver_lazily`), or the log could discard a message
+        that a crash then takes from the cursor."""
+        ticket = self._last_accept
+        if ticket is not None and not ticket.done:
+            self._lazy.flush()
 
     def _accept_record(self, message: Message, decision: Decision) -> dict[str, Any]:
         """The ``M`` record, with the seed-004 verdict in it (``j``: rejected, a transactional
@@ -291,6 +357,8 @@ class Cursor:
             return self._stream_locks.setdefault(stream, threading.RLock())
 
     def ack_for(self, stream: str) -> Ack:
+        """Where ``stream`` stands, on disk."""
+        self._filter_durable()
         with self._lock:
             return self._filter.ack_for(stream)
 
@@ -384,7 +452,9 @@ class Cursor:
         return gid in self._state.committed
 
     def is_prepared(self, gid: str) -> bool:
-        return gid in self._state.prepared
+        """Prepared, or committed by a lazy record not yet durable (recovery must still see it:
+        `coordinator.lazy_commit`)."""
+        return gid in self._state.prepared or gid in self._settling
 
     def branch_ids(self, gid: str) -> list[str]:
         with self._lock:
@@ -410,12 +480,51 @@ class Cursor:
             raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")
 
     def commit(self, gid: str) -> None:
-        """Delete the branch's messages (forced ``C``); nothing if it holds none."""
+        """Delete the branch's messages (forced ``C``); nothing if it holds none. A commit whose
+        lazy record is not durable yet (recovery's) returns once it is."""
+        if gid in self._settling:
+            self._lazy.flush()
+            return
         with self._lock:
             ids = self._state.branch_ids(gid)
         if ids:
             self._append({"k": "C", "g": gid, "i": ids}, force=True)
             self._compaction.maybe()
+
+    def commit_lazily(self, gid: str, on_durable: Callable[[], None]) -> None:
+        """`commit` of a prepared branch with a lazy ``C`` record: the messages are deleted now,
+        the record is carried to disk by the next forced record (or the `LazyWatch`'s own
+        fsync), and ``on_durable`` runs once it is. Until then the gid counts as prepared, so
+        recovery still re-drives it from the decision the coordinator keeps
+        (`coordinator.lazy_commit`); a crash before it only leaves the branch prepared."""
+        if gid in self._settling:
+            self._lazy.flush()
+        with self._lock:
+            ids = self._state.branch_ids(gid)
+        if not ids:
+            on_durable()
+            return
+        self._gate.enter_shared()
+        try:
+            with self._lock:
+                ticket = self._submit_locked({"k": "C", "g": gid, "i": ids}, False)
+                self._settling.add(gid)
+            self._wait(ticket)  # only a lazy backlog past its bound waits (an fsync)
+        finally:
+            self._gate.exit_shared()
+
+        def durable_now() -> None:
+            with self._lock:
+                self._settling.discard(gid)
+            on_durable()
+
+        self._lazy.watch(ticket, durable_now)
+        self._compaction.maybe()
+        self._lazy.settle()
+
+    def flush_commits(self) -> None:
+        """Make every lazy commit record durable now and run its callback."""
+        self._lazy.flush()
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
         """Make the branch's messages available again, or move those delivered ``max_deliveries``
@@ -445,8 +554,9 @@ class Cursor:
             self._append({"k": "F", "g": gid}, force=False)
 
     def prepared_gids(self) -> list[str]:
+        """Prepared branches, and those whose lazy commit record is not durable yet."""
         with self._lock:
-            return sorted(self._state.prepared)
+            return sorted({*self._state.prepared, *self._settling})
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -733,12 +843,16 @@ class Cursor:
             self._journal.wait(ticket)
         except LogWriteError as exc:
             raise self._located(exc) from exc
+        if ticket.forced:
+            self._lazy.settle()  # the lazy commit records this force carried
 
     def _write_many(self, records: list[dict[str, Any]], force: bool) -> None:
         try:
             self._journal.append_many([encode(r) for r in records], force)
         except LogWriteError as exc:
             raise self._located(exc) from exc
+        if force:
+            self._lazy.settle()
 
     def _located(self, exc: LogWriteError) -> LogWriteError:
         return LogWriteError(f"cursor {self.directory}: {exc.message}", durable=exc.durable)
@@ -765,8 +879,10 @@ class Cursor:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Write lazy records (rollbacks, forgets), fsync, release the lock."""
+        """Write lazy records (rollbacks, forgets, commits), fsync, release the lock."""
+        self._lazy.close()
         self._journal.close()
+        self._lazy.settle()
 
     def __enter__(self) -> Cursor:
         return self

@@ -23,6 +23,7 @@ returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from coordinator import (
@@ -35,6 +36,7 @@ from coordinator import (
 )
 from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, validate_resource_name
+from resource_managers import lazy_commit
 from resource_managers.message_log import validate_destination
 
 from ._cursor import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Cursor, Delivery
@@ -74,7 +76,12 @@ class ConsumerBranch:
 
 
 class CursorResource:
-    """A `Cursor` as a resource manager. ``name`` is the bqual: keep it stable."""
+    """A `Cursor` as a resource manager. ``name`` is the bqual: keep it stable.
+
+    ``lazy_commit`` (default True): in phase two the commit record (the deletion of the branch's
+    messages) is not forced; the cursor's next forced record carries it (or an fsync of its own
+    ``lazy_delay`` later), and the coordinator keeps its decision until then
+    (`coordinator.lazy_commit`). False: forced before the commit returns."""
 
     def __init__(
         self,
@@ -83,9 +90,11 @@ class CursorResource:
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         *,
         sort_key: str | None = None,
+        lazy_commit: bool = True,
     ) -> None:
         if max_deliveries < 1:
             raise ProgrammingError("max_deliveries must be >= 1")
+        self.lazy_commit = lazy_commit
         self._name = validate_resource_name(name)
         self._sort_key = sort_key or self._name
         self.cursor = cursor
@@ -137,6 +146,19 @@ class CursorResource:
             self.cursor.commit(gid)
             crash_point(f"cursor.{self._name}.after_commit")
         return None
+
+    def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
+        """Phase two's commit, its record lazy: `resource_managers.lazy_commit`."""
+        with self._lock:
+            active = xid in self._branches
+        return lazy_commit.commit_lazily(
+            self.cursor, self._check(xid), on_durable, active=active, lazy=self.lazy_commit,
+            durable_commit=self.commit, points=f"cursor.{self._name}",
+        )  # fmt: skip
+
+    def flush_commits(self) -> None:
+        """Lazy commit records durable now (`TransactionManager.close` calls this)."""
+        self.cursor.flush_commits()
 
     def rollback(self, xid: Xid) -> Outcome | None:
         gid = self._check(xid).to_gid()

@@ -34,7 +34,15 @@ from coordinator.errors import (
     TransactionRolledBack,
     TransientError,
 )
-from coordinator.journal import DEFAULT_SEGMENT_BYTES, Compaction, FileOps, Gate, Journal
+from coordinator.journal import (
+    DEFAULT_LAZY_DELAY,
+    DEFAULT_SEGMENT_BYTES,
+    Compaction,
+    FileOps,
+    Gate,
+    Journal,
+    LazyWatch,
+)
 
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
 from ._refused import keep_refused
@@ -102,6 +110,7 @@ class MessageLog:
         tombstone_seconds: float = DEFAULT_TOMBSTONE_SECONDS,
         file_ops: FileOps | None = None,
         clock_ms: Callable[[], int] = now_ms,
+        lazy_delay: float = DEFAULT_LAZY_DELAY,
     ) -> None:
         if max_message_bytes < 1 or (max_destination_messages or 1) < 1:
             raise ProgrammingError("max_message_bytes and max_destination_messages must be >= 1")
@@ -124,6 +133,8 @@ class MessageLog:
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"message log {self.directory}", log
         )
+        self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"message log {directory}")
+        self._settling: set[str] = set()  # gids whose lazy commit record is not durable yet
         try:
             self._open()
         except BaseException:
@@ -168,7 +179,11 @@ class MessageLog:
         return gid in self._state.committed
 
     def is_prepared(self, gid: str) -> bool:
-        return gid in self._state.prepared or gid in self._volatile_prepared
+        """Prepared, or committed by a lazy record not yet durable (recovery must still see it:
+        `coordinator.lazy_commit`)."""
+        return (
+            gid in self._state.prepared or gid in self._volatile_prepared or gid in self._settling
+        )
 
     def prepare(self, gid: str, messages: list[Message]) -> None:
         """Make the persistent ones durable (one forced record); keep the others in memory.
@@ -203,6 +218,9 @@ class MessageLog:
         one_phase = messages is not None
         if messages is not None:
             self._judge(messages)
+        elif gid in self._settling:  # recovery's commit of a lazy one: return once durable
+            self._lazy.flush()
+            return
         with self._lock:
             if one_phase:
                 assert messages is not None
@@ -231,6 +249,62 @@ class MessageLog:
                     self._state.committed.add(gid)
         finally:
             self._publish(volatile, vnumbers, numbers, one_phase)
+
+    def commit_lazily(self, gid: str, on_durable: Callable[[], None]) -> None:
+        """`commit` of a prepared branch whose ``C`` record is written lazily: numbered and
+        applied now, carried to disk by the next forced record (or the `LazyWatch`'s own fsync).
+        Its messages become visible, and ``on_durable`` runs, only once the record is durable: a
+        transfer must never send a number a crash could give to another message. Until then the
+        gid counts as prepared (`is_prepared`, `prepared_gids`), so recovery still re-drives it
+        from the decision the coordinator keeps (`coordinator.lazy_commit`)."""
+        if gid in self._settling:
+            self._lazy.flush()
+        with self._lock:
+            durable = list(self._state.prepared.get(gid, []))
+            volatile = self._volatile_prepared.pop(gid, [])
+            numbers = [self._take_number(m.stream) for m in durable]
+            vnumbers = [self._take_number(m.stream) for m in volatile]
+        self._publish(volatile, vnumbers, [], one_phase=False)
+        if gid not in self._state.prepared:
+            on_durable()  # volatile only, or a repeat: nothing to write
+            return
+        record = {"k": "C", "g": gid, "s": [list(n) for n in numbers]}
+        payload = encode(record)
+        self._gate.enter_shared()
+        try:
+            try:
+                with self._lock:
+                    ticket = self._journal.submit(payload, False)
+                    self._hold_locked(self._state.prepared.get(gid, []), -1)
+                    self._state.apply(record)
+                    self._settling.add(gid)
+            except LogWriteError as exc:
+                self._publish([], [], numbers, one_phase=False)  # burned: nothing was queued
+                raise LogWriteError(
+                    f"message log {self.directory}: {exc.message}", durable=exc.durable
+                ) from exc
+        finally:
+            self._gate.exit_shared()
+
+        def durable_now() -> None:
+            with self._lock:
+                self._settling.discard(gid)
+            self._publish([], [], numbers, one_phase=False)
+            on_durable()
+
+        self._lazy.watch(ticket, durable_now)
+        self._journal.wait(ticket)  # only a lazy backlog past its bound waits (an fsync)
+        self._compaction.maybe()
+        self._lazy.settle()
+
+    def settling_commits(self) -> int:
+        """Branches committed by a lazy record not durable yet: their messages are not visible
+        to a reader until it is (within ``lazy_delay``, usually with the next forced record)."""
+        return len(self._settling)
+
+    def flush_commits(self) -> None:
+        """Make every lazy commit record durable now and run its callback."""
+        self._lazy.flush()
 
     def _take_number(self, stream: str) -> tuple[str, int]:
         s = self._state.stream(stream)
@@ -271,8 +345,9 @@ class MessageLog:
             self._append([{"k": "F", "g": gid}], force=False)
 
     def prepared_gids(self) -> list[str]:
+        """Prepared branches, and those whose lazy commit record is not durable yet."""
         with self._lock:
-            return sorted({*self._state.prepared, *self._volatile_prepared})
+            return sorted({*self._state.prepared, *self._volatile_prepared, *self._settling})
 
     # -- the reader's side ---------------------------------------------------------------------
 
@@ -401,6 +476,8 @@ class MessageLog:
             finally:
                 self._gate.exit_shared()
         self._compaction.maybe()
+        if force:
+            self._lazy.settle()  # the lazy commit records this force carried
 
     def _hold(self, messages: list[Message], delta: int) -> None:
         with self._lock:
@@ -431,8 +508,10 @@ class MessageLog:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Write lazy records (acknowledgments, tombstones), fsync, release the lock."""
+        """Write lazy records (acknowledgments, tombstones, commits), fsync, release the lock."""
+        self._lazy.close()
         self._journal.close()
+        self._lazy.settle()
 
     def __enter__(self) -> MessageLog:
         return self

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from coordinator import (
@@ -37,6 +38,7 @@ from coordinator import (
 )
 from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
+from resource_managers import lazy_commit
 
 from ._log import BranchRolledBack, DestinationFullError, MessageLog
 from ._records import Message
@@ -180,9 +182,23 @@ class ProducerBranch(StagingBranch):
 
 
 class MessageLogResource:
-    """A `MessageLog` as a resource manager. ``name`` is the bqual: keep it stable."""
+    """A `MessageLog` as a resource manager. ``name`` is the bqual: keep it stable.
 
-    def __init__(self, log: MessageLog, name: str = "mlog", *, sort_key: str | None = None):
+    ``lazy_commit`` (default True): in phase two the commit record is not forced; the next forced
+    record of the log carries it (or an fsync of its own ``lazy_delay`` later), and the
+    coordinator keeps its decision until then (`coordinator.lazy_commit`). The transaction's
+    messages become visible to the transfer once the record is durable, a moment after the
+    commit returns. False: forced, visible when the commit returns."""
+
+    def __init__(
+        self,
+        log: MessageLog,
+        name: str = "mlog",
+        *,
+        sort_key: str | None = None,
+        lazy_commit: bool = True,
+    ):
+        self.lazy_commit = lazy_commit
         self._name = validate_resource_name(name)
         self._sort_key = sort_key or self._name
         self.log = log
@@ -242,6 +258,19 @@ class MessageLogResource:
             self.log.commit(gid, after_append=f"mlog.{self._name}.after_append")
             crash_point(f"mlog.{self._name}.after_commit")
         return None
+
+    def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
+        """Phase two's commit, its record lazy: `resource_managers.lazy_commit`."""
+        with self._lock:
+            active = xid in self._branches
+        return lazy_commit.commit_lazily(
+            self.log, self._check(xid), on_durable, active=active, lazy=self.lazy_commit,
+            durable_commit=self.commit, points=f"mlog.{self._name}",
+        )  # fmt: skip
+
+    def flush_commits(self) -> None:
+        """Lazy commit records durable now (`TransactionManager.close` calls this)."""
+        self.log.flush_commits()
 
     def rollback(self, xid: Xid) -> Outcome | None:
         gid = self._check(xid).to_gid()

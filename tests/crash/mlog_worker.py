@@ -1,11 +1,14 @@
 """The process the message log crash tests kill: producers that send inside PostgreSQL transactions.
 
     python tests/crash/mlog_worker.py run     --db URL --log DIR --mlog DIR --count N [--start S]
+        [--llr] [--durable-commit]
     python tests/crash/mlog_worker.py recover --db URL --log DIR --mlog DIR
 
 ``run``: N transactions (i from S), each inserting ``transfers`` row ``m<i>`` in the database
 (resource ``db``) and sending body ``m<i>`` to destination ``orders`` of the message log (resource
 ``mlog``, crash points ``mlog.mlog.*``); the coordinator's decision log is a `FileDecisionLog`.
+``--llr``: the database is the logging last resource (its commit carries the decision);
+``--durable-commit``: the log forces its commit record instead of writing it lazily.
 Printed, flushed (a SIGKILL loses nothing printed): ``ACK m<i>`` once commit returned, ``DONE``.
 ``recover``: a new manager over the same logs recovers on start, then prints ``STATE <json>``:
 the stream's ``pending`` ``[seq, body]`` pairs, ``prepared`` gids left in the log and the
@@ -36,10 +39,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mlog", required=True)
     parser.add_argument("--count", type=int, default=5)
     parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--llr", action="store_true", help="the database is the last resource")
+    parser.add_argument("--durable-commit", action="store_true", help="force the log's commit")
     args = parser.parse_args(argv)
     engine = create_engine(args.db)
-    mlog = MessageLog(args.mlog)
-    db, mr = PostgresResource(engine, "db"), MessageLogResource(mlog)
+    # no fsync of its own for a lazy commit record: the next transaction's prepare carries it
+    # (or close), so each crash point is reached once per transaction, in order
+    mlog = MessageLog(args.mlog, lazy_delay=60.0)
+    db = PostgresResource(engine, "db", last_resource=args.llr)
+    mr = MessageLogResource(mlog, lazy_commit=not args.durable_commit)
     tm = TransactionManager(
         "node-1", FileDecisionLog(args.log), [db, mr], recovery_interval=None, reaper_interval=None
     )

@@ -8,6 +8,7 @@
 Both use a `TransactionManager` with a file decision log in ``--state`` over PostgreSQL and a
 remote store (`RemoteMessageLog` / `RemoteCursor`), and recover on start until clean, as a
 restarted service would, before doing new work. The secret comes from ``TWOPC_SECRET``.
+``--llr``: PostgreSQL is the logging last resource (its commit carries the decision).
 
 ``produce``: transaction ``t`` (1..N) of producer ``P`` inserts one ``produced`` row per message
 (key ``P:t:j``) and sends the K messages; every R-th transaction raises instead, so it rolls
@@ -88,7 +89,7 @@ def finish(tm: TransactionManager) -> None:
 
 def produce(args: argparse.Namespace) -> int:
     engine = create_engine(args.pg, pool_size=2, connect_args={"options": "-c lock_timeout=10000"})
-    pg = PostgresResource(engine, "pg")
+    pg = PostgresResource(engine, "pg", last_resource=args.llr)
     log = RemoteMessageLog(parse_address(args.log), secret(), client_id=f"producer-{args.id}")
     tm = manager(f"producer-{args.id}", args.state, [pg, log])
     with engine.connect() as conn:
@@ -131,7 +132,7 @@ def _produce_one(
 
 def consume(args: argparse.Namespace) -> int:
     engine = create_engine(args.pg, pool_size=2)
-    pg = PostgresResource(engine, "pg")
+    pg = PostgresResource(engine, "pg", last_resource=args.llr)
     cursor = RemoteCursor(
         parse_address(args.cursor), secret(), client_id=f"consumer-{args.id}",
         timeout=args.rpc_timeout,
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--id", required=True)
         q.add_argument("--state", required=True)
         q.add_argument("--destination", default="orders")
+        q.add_argument("--llr", action="store_true", help="PostgreSQL is the last resource")
     args = parser.parse_args(argv)
     return produce(args) if args.cmd == "produce" else consume(args)
 

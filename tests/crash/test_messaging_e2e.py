@@ -115,9 +115,11 @@ CRASHES = [
     ("producer-p0", "tm.after_prepare.2:3"),
     ("producer-p0", "tm.after_decision_fsync:3"),
     ("producer-p0", "tm.after_commit.1:3"),
+    ("producer-p0", "remote.mlog.commit_sent:3"),  # phase two sent, its answer not awaited
     ("consumer-c0", "tm.after_prepare.1:4"),
     ("consumer-c0", "tm.after_decision_fsync:4"),
     ("consumer-c0", "tm.after_commit.1:4"),
+    ("consumer-c0", "remote.cursor.commit_sent:4"),
 ]
 
 
@@ -125,3 +127,24 @@ CRASHES = [
 def test_kill_9_at_crash_point(cluster_factory, process: str, point: str) -> None:
     report = _run(cluster_factory(), producers=2, txs=12, crash={process: point})
     assert report["kills"].get(process, 0) >= 1, f"{point} never fired in {process}: {report}"
+
+
+#: PostgreSQL as the logging last resource at both ends: the producer's commit carries its
+#: decision after the log's branch prepared, the consumer's after the cursor's branch prepared
+LLR_CRASHES = [
+    None,
+    ("producer-p0", "tm.llr.after_commit:3"),
+    ("consumer-c0", "tm.llr.before_commit:4"),
+    ("consumer-c0", "tm.llr.after_commit:4"),
+]
+
+
+@pytest.mark.parametrize(
+    "crash", LLR_CRASHES, ids=["no kill" if c is None else f"{c[0]}@{c[1]}" for c in LLR_CRASHES]
+)
+def test_last_resource_at_both_ends(cluster_factory, crash: tuple[str, str] | None) -> None:
+    cluster: Cluster = cluster_factory(llr=True)
+    report = _run(cluster, producers=2, txs=12, crash=dict([crash]) if crash else None)
+    if crash is not None:
+        process, point = crash
+        assert report["kills"].get(process, 0) >= 1, f"{point} never fired in {process}: {report}"

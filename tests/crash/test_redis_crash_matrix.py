@@ -433,15 +433,19 @@ def test_the_redis_checkers_catch_what_they_name(shared: Shared) -> None:
 # -- the server crash ------------------------------------------------------------------------------
 
 REDIS_KILLS = [
-    pytest.param("tm.before_decision_write", ROLLED_BACK, id="before-decision"),  # presumed abort
-    pytest.param("tm.after_decision_fsync", COMMITTED, id="after-decision"),
+    pytest.param("tm.before_decision_write", ROLLED_BACK, None, id="before-decision"),
+    pytest.param("tm.after_decision_fsync", COMMITTED, None, id="after-decision"),
+    # PostgreSQL (a) as the last resource: b and c prepared, then a's commit carries the decision
+    pytest.param("tm.llr.before_commit", ROLLED_BACK, "a", id="llr-before-decision"),
+    pytest.param("tm.llr.after_commit", COMMITTED, "a", id="llr-after-decision"),
 ]
 
 
-@pytest.mark.parametrize(("point", "expect"), REDIS_KILLS)
+@pytest.mark.parametrize(("point", "expect", "last"), REDIS_KILLS)
 def test_redis_kill9_keeps_prepared_branches(
     point: str,
     expect: str,
+    last: str | None,
     *,
     tmp_path: Path,
     private_redis: Callable[..., Any],
@@ -458,7 +462,7 @@ def test_redis_kill9_keeps_prepared_branches(
         query(pg, statement)
     setup = Setup(pg, server.url(0), "rkill", "rkill", tmp_path / "log")
     setup.open_account(1)
-    common = setup.args()
+    common = [*setup.args(), *(["--last", last] if last else [])]
 
     first = forks.run(["run", *common, "--plan", "2pc,2pc"], f"{point}:2")
     killed_at(first, point)
@@ -468,7 +472,8 @@ def test_redis_kill9_keeps_prepared_branches(
     client.close()
     assert [k for k in before if b":lock:" in k] and [k for k in before if b":ws:" in k], before
     states, _ = setup.read([1])
-    assert [[p.gtrid for p in states[r].prepared] for r in "abc"] == [[gtrid]] * 3, states
+    prepared = "bc" if last else "abc"  # a last resource never prepares
+    assert [[p.gtrid for p in states[r].prepared] for r in prepared] == [[gtrid]] * len(prepared)
     assert states["b"].balances == {1: OPENING + 1}, "the first transfer only"
 
     server.kill9()
@@ -480,8 +485,8 @@ def test_redis_kill9_keeps_prepared_branches(
     report = recovered(forks, common)
     if expect == COMMITTED:
         assert report["committed"] == [gtrid], report
-    else:
-        assert len(report["rolled_back"]) == 3, report  # a, b and c: nothing was decided
+    else:  # a, b and c (or b and c: the last resource's work died with its session)
+        assert len(report["rolled_back"]) == len(prepared), report
     ended, problems = check(setup, 1, first.stdout, expect, report)
     assert ended == expect
     assert not problems, "\n".join(problems)
@@ -490,18 +495,24 @@ def test_redis_kill9_keeps_prepared_branches(
 LIVE_KILLS = [
     # before b's prepare script: b cannot vote, the transaction rolls back; b's rollback fails
     # (Redis is down) and is left to recovery, which finds nothing prepared in Redis
-    pytest.param("redis.b.after_stage", ROLLED_BACK, id="before-redis-prepare"),
+    pytest.param("redis.b.after_stage", ROLLED_BACK, False, id="before-redis-prepare"),
     # both branches prepared, no decision yet: the decision is commit, b's commit fails
-    pytest.param("tm.after_prepare.2", COMMITTED, id="before-decision"),
+    pytest.param("tm.after_prepare.2", COMMITTED, False, id="before-decision"),
     # the decision forced, no branch told: a commits, b is left to recovery
-    pytest.param("tm.after_decision_fsync", COMMITTED, id="after-decision"),
+    pytest.param("tm.after_decision_fsync", COMMITTED, False, id="after-decision"),
+    # a (PostgreSQL) is the last resource: b prepared, then Redis dies before a's commit, which
+    # carries the decision all the same; b's commit fails and waits for recovery to read a's row
+    pytest.param("tm.llr.before_commit", COMMITTED, True, id="llr-before-decision"),
+    pytest.param("tm.llr.after_commit", COMMITTED, True, id="llr-after-decision"),
+    pytest.param("redis.b.after_stage", ROLLED_BACK, True, id="llr-before-redis-prepare"),
 ]
 
 
-@pytest.mark.parametrize(("point", "expect"), LIVE_KILLS)
+@pytest.mark.parametrize(("point", "expect", "llr"), LIVE_KILLS)
 def test_live_coordinator_through_a_redis_kill9(
     point: str,
     expect: str,
+    llr: bool,
     *,
     tmp_path: Path,
     private_redis: Callable[..., Any],
@@ -518,7 +529,7 @@ def test_live_coordinator_through_a_redis_kill9(
         query(pg, statement)
     setup = Setup(pg, server.url(0), "live", "live", tmp_path / "log")
     opening = setup.open_account(1)
-    a = PostgresResource(create_engine(pg), "a")
+    a = PostgresResource(create_engine(pg), "a", last_resource=llr)
     b = RedisResource(redis_client(setup.redis_url), "b", namespace=setup.namespace)
     tm = make_manager(managers, [a, b], FileDecisionLog(setup.log_dir), node_id=setup.node)
 

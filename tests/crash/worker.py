@@ -3,6 +3,7 @@
     python tests/crash/worker.py run DIR --plan 2pc,2pc,veto [--segment-bytes N]
     python tests/crash/worker.py recover DIR
     ... [--last c]    resource c is a logging last resource (its commit carries the decision)
+    ... [--lazy]      the resources write their phase-two commit records lazily
 
 ``run`` executes one transaction per plan entry over three `FileResource`s (a, b, c) and a
 `FileDecisionLog`, all under DIR, and prints (flushed, so a SIGKILL loses nothing printed)::
@@ -47,8 +48,12 @@ def open_manager(
     recover_on_start: bool,
     last: str | None = None,
     async_phase_two: bool = False,
+    lazy: bool = False,
 ) -> TransactionManager:
-    resources = [FileResource(name, root / name, last_resource=name == last) for name in RESOURCES]
+    resources = [
+        FileResource(name, root / name, last_resource=name == last, lazy_commit=lazy)
+        for name in RESOURCES
+    ]
     if segment_bytes is None:
         log = FileDecisionLog(root / "log")
     else:
@@ -91,11 +96,21 @@ def work(tm: TransactionManager, tx: Transaction, kind: str) -> list[str]:
     return ["a", "b", "c"]
 
 
-def run(
-    root: Path, plan: list[str], segment_bytes: int | None, last: str | None, asynchronous: bool
+def run(  # noqa: PLR0917 - the command line, passed on
+    root: Path,
+    plan: list[str],
+    segment_bytes: int | None,
+    last: str | None,
+    asynchronous: bool,
+    lazy: bool,
 ) -> int:
     tm = open_manager(
-        root, segment_bytes, recover_on_start=True, last=last, async_phase_two=asynchronous
+        root,
+        segment_bytes,
+        recover_on_start=True,
+        last=last,
+        async_phase_two=asynchronous,
+        lazy=lazy,
     )
     for kind in plan:
         tx = tm.begin()
@@ -139,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment-bytes", type=int, default=None)
     parser.add_argument("--last", choices=RESOURCES, default=None)
     parser.add_argument("--async-phase-two", action="store_true")
+    parser.add_argument("--lazy", action="store_true", help="lazy commit records (a and b)")
     args = parser.parse_args(argv)
     if args.mode == "recover":
         return recover(args.dir, args.segment_bytes, args.last)
@@ -146,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(plan) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)}; expected some of {KINDS}")
-    return run(args.dir, plan, args.segment_bytes, args.last, args.async_phase_two)
+    return run(args.dir, plan, args.segment_bytes, args.last, args.async_phase_two, args.lazy)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ competing consumers, recovery by a new manager, rollover, and a corrupt segment.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -271,6 +272,7 @@ def test_consume_with_postgresql_exactly_once(
                     conn.execute(sa.text("DELETE FROM transfers WHERE id = 't2'"))
         assert seen == [(b"t1", 1), (b"t2", 1), (b"t2", 2)]
         assert transfer_ids(engine) == {"t1", "t2"} and prepared_gids(engine) == []
+        cursor.flush_commits()  # a lazy commit record counts as prepared until it is on disk
         assert cursor.stats().available == 0 and cursor.prepared_gids() == []
     finally:
         engine.dispose()
@@ -432,3 +434,68 @@ def test_a_corrupt_segment_refuses_to_open(curdir: Path) -> None:
     with pytest.raises(LogCorruptionError):
         Cursor(curdir)
     assert os.path.exists(segment)
+
+
+# -- kill -9 at the consumer's commit, lazy and forced --------------------------------------------
+
+CONSUMER_WORKER = Path(__file__).resolve().parents[1] / "crash" / "cursor_worker.py"
+#: (crash point, worker flags, whether the third transaction commits). The cursor's commit
+#: record is lazy unless --durable-commit: the early points lose it in the kill and recovery
+#: commits the branch again from the decision (the decision log's COMMIT record, or with --llr
+#: the database's decision row); the later ones die once it is on disk, before the decision ends.
+CONSUMER_KILLS = [
+    ("cursor.cursor.after_prepare", (), False),
+    ("cursor.cursor.after_prepare", ("--llr",), False),
+    ("cursor.cursor.after_commit", ("--durable-commit",), True),
+    ("cursor.cursor.after_lazy_commit", (), True),
+    ("cursor.cursor.after_lazy_commit", ("--llr",), True),
+    ("tm.end_deferred", ("--llr",), True),
+    ("cursor.cursor.commit_durable", (), True),
+    ("cursor.cursor.commit_durable", ("--llr",), True),
+    ("tm.before_deferred_end", ("--llr",), True),
+]
+
+
+def consumer_worker(
+    mode: str, url: str, tmp: Path, flags: tuple[str, ...], crash_at: str = ""
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TWOPC_CRASH_AT"}
+    if crash_at:
+        env["TWOPC_CRASH_AT"] = crash_at
+    argv = ["--db", url, "--log", str(tmp / "dlog"), "--cursor", str(tmp / "cursor"), *flags]
+    return subprocess.run(
+        [sys.executable, str(CONSUMER_WORKER), mode, *argv, "--count", "5"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("point", "flags", "commits"),
+    CONSUMER_KILLS,
+    ids=[f"{p}{' ' + ' '.join(f) if f else ''}" for p, f, _ in CONSUMER_KILLS],
+)
+def test_consumed_exactly_once_after_kill_at_each_crash_point(
+    point: str,
+    flags: tuple[str, ...],
+    commits: bool,
+    make_pg_database: Callable[[], str],
+    tmp_path: Path,
+) -> None:
+    url = make_pg_database()
+    ledger_engine(url, accounts=1).dispose()
+    bodies = [f"m{i}" for i in range(8)]
+    with Cursor(tmp_path / "cursor") as c:
+        feed(c, *(b.encode() for b in bodies))
+    crashed = consumer_worker("run", url, tmp_path, flags, crash_at=f"{point}:3")
+    assert crashed.returncode == -9, crashed.stderr
+    acked = [line.split()[1] for line in crashed.stdout.splitlines() if line.startswith("ACK")]
+    assert acked in (["m0", "m1"], ["m0", "m1", "m2"]), acked
+    done = consumer_worker("recover", url, tmp_path, flags)
+    assert done.returncode == 0, done.stderr
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("STATE ")]
+    state = json.loads(line[len("STATE ") :])
+    assert state["prepared"] == []  # no in-doubt residue
+    consumed = ["m0", "m1", "m2"] if commits else ["m0", "m1"]
+    assert state["rows"] == consumed  # exactly once, and every acknowledged one
+    # the rest is still there, in order (a rolled-back m2 back at the head)
+    assert state["available"] == [b for b in bodies if b not in consumed]

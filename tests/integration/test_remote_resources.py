@@ -169,6 +169,7 @@ def test_send_commits_with_postgres(
             branch: RemoteProducerBranch = tx.join(remote_log)
             ids.append(branch.send("orders", tid.encode(), headers={"tid": tid}))
             branch.send("audit", b"x", persistent=False, ttl=60)
+    remote_log.flush_commits()  # phase two's commits are answered off the caller's thread
     assert bodies(mlog) == [b"t1", b"t2"]
     assert [m.message_id for _, m in mlog.pending("orders")] == ids
     assert mlog.pending("orders")[1][1].headers == {"tid": "t2"}
@@ -447,14 +448,28 @@ def test_a_lost_answer_never_invents_an_outcome(
             tx.join(remote).send("orders", b"one-phase")
         assert bodies(mlog) == [b"one-phase"]  # it did commit: unknown, not rolled back
         db = PostgresResource(engine, "db")
-        tm = make_manager(managers, [db, remote], node_id="node-2")
+        forced = RemoteMessageLog(listener.address, SECRET, timeout=5.0, lazy_commit=False)
+        tm = make_manager(managers, [db, forced], node_id="node-2")
         with pytest.warns(CompletionPending), tm.transaction() as tx:  # lost, and lost again
             move(tx.join(db), "t1", 1, 10)
-            tx.join(remote).send("orders", b"two-phase")
+            tx.join(forced).send("orders", b"two-phase")
         assert bodies(mlog) == [b"one-phase", b"two-phase"]
         assert mlog.prepared_gids() == [] and transfer_ids(engine) == {"t1"}
         assert tm.recover(force=True).clean  # the repeated commit is answered, END written
+        # a lazy commit's answer is awaited off the caller's thread: lost, and lost again there,
+        # the decision stays until recovery's repeated commit is answered
+        DropReplies.dropped = 0
+        lazy = make_manager(managers, [db, remote], node_id="node-3")
+        with lazy.transaction() as tx:
+            move(tx.join(db), "t2", 1, 10)
+            tx.join(remote).send("orders", b"lazy")
+        remote.flush_commits()
+        assert bodies(mlog) == [b"one-phase", b"two-phase", b"lazy"]
+        assert [d.gtrid for d in lazy.log.pending()] == [tx.gtrid]  # not forgotten yet
+        assert lazy.recover(force=True).clean
+        assert lazy.log.pending() == []
         remote.close()
+        forced.close()
 
 
 # -- refused peers and bad requests ------------------------------------------------------------

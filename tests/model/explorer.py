@@ -28,6 +28,13 @@ looks the row up once per pass before it presumes anything, and the lookup fence
 no row gets an abort row, after which the last resource's commit can only fail. The lookup may
 find the table unreachable, and then the pass presumes nothing.
 
+With ``lazy=True`` the preparing participants write their phase-two commit record lazily
+(`coordinator.lazy_commit`): a commit answered in phase two leaves the branch committed but
+*volatile* (``State.volatile``) until a flush, which may come at any moment; a crash turns a
+volatile branch back into a prepared one; END (or, with a last resource, the row's clean-up) waits
+until no branch is volatile (``State.deferred_end``, the `EndLatch`), and recovery's commit of a
+volatile branch flushes it. ``eager_end=True`` drops that wait, to prove the checks catch it.
+
 A crash is modelled as the resources see it: unprepared work dies with its session (an active
 branch becomes rolled back), prepared branches and the durable log survive, the coordinator's
 memory (votes, results) is gone, and the caller hears nothing more.
@@ -45,7 +52,13 @@ from coordinator import protocol
 from coordinator.protocol import Action, BranchResult, Plan, Tally, Verdict
 from coordinator.resource import Outcome, Vote
 
-INVARIANTS = ("atomicity", "decision_stable", "no_in_doubt_residue", "recovery_idempotent")
+INVARIANTS = (
+    "atomicity",
+    "decision_stable",
+    "no_in_doubt_residue",
+    "recovery_idempotent",
+    "lazy_covered",
+)
 #: not one of the protocol's invariants: a state that is neither finished nor able to move means
 #: the model itself is wrong, and every other check would then pass vacuously.
 PROGRESS = "progress"
@@ -85,6 +98,9 @@ class Row(enum.Enum):
     NONE = "none"
     COMMIT = "commit"  # inserted and committed together with the last resource's data
     ABORT = "abort"  # recovery's fence
+    #: deleted once every branch ended (the END of a transaction with a last resource): a later
+    #: lookup finds no row, so it fences (ABORT)
+    CLEANED = "cleaned"
 
 
 class Log(NamedTuple):
@@ -163,6 +179,11 @@ class State(NamedTuple):
     crashes_left: int
     outages_left: int
     recovery_crashes: int  # how many crashes hit recovery itself
+    #: committed branches whose (lazy) commit record is not on disk yet: a crash makes them
+    #: prepared again
+    volatile: frozenset[int] = frozenset()
+    #: phase two is over and END waits for the volatile branches (in memory: a crash drops it)
+    deferred_end: bool = False
 
 
 _SITES = {
@@ -286,8 +307,12 @@ class Explorer:
         crashes: int = 4,
         outages: int = 3,
         last: bool = False,
+        lazy: bool = False,
+        eager_end: bool = False,
     ) -> None:
         self.rules = rules or Rules()
+        self.lazy = lazy
+        self.eager_end = eager_end
         self.names = tuple("abcdefgh"[:n])  # sort order: prepare, commit and recovery order
         #: the logging last resource (the last name) when ``last``; the others prepare
         self.last = self.names[-1] if last else None
@@ -345,7 +370,27 @@ class Explorer:
         found = self._steps[state.pc.step](state)
         found += self._crash(state)
         found += self._background_recovery(state)
+        found += self._flushes(state)
         return found
+
+    def _flushes(self, state: State) -> Successors:
+        """A store's lazy commit record reaches the disk; the last one releases a deferred END."""
+        found: Successors = []
+        for i in sorted(state.volatile):
+            nxt = state._replace(volatile=state.volatile - {i})
+            if not nxt.volatile and nxt.deferred_end:
+                nxt = self._release_end(nxt)
+            found.append((f"{self.names[i]}'s commit record on disk", nxt))
+        return found
+
+    def _release_end(self, state: State) -> State:
+        """The deferred END (with a last resource: the row's deletion)."""
+        log = (
+            state.log._replace(row=Row.CLEANED)
+            if self.last
+            else state.log._replace(end=End.BUFFERED)
+        )
+        return state._replace(log=log, deferred_end=False)
 
     def site(self, pc: Pc) -> str:
         """Name the step boundary ``pc`` stands at, in the words of the driver's crash points."""
@@ -365,8 +410,11 @@ class Explorer:
     # -- checks ------------------------------------------------------------------------------
 
     def check(self, state: State, report: Report, moves: Successors) -> list[str]:
-        """Invariants of ``state``: atomicity everywhere, the rest once recovery is quiescent."""
+        """Invariants of ``state``: atomicity and lazy_covered everywhere, the rest once
+        recovery is quiescent."""
         broken = [] if atomic(state.parts) else ["atomicity"]
+        if state.volatile and not self._decided(state.log):
+            broken.append("lazy_covered")  # a crash now would presume a committed branch aborted
         if state.pc.step is not Step.QUIESCENT:
             if not moves:
                 broken.append(PROGRESS)
@@ -376,7 +424,7 @@ class Explorer:
         used = self.crashes - state.crashes_left
         report.crash_profiles.add((used, state.recovery_crashes))
         report.told_at_end.add(state.told)
-        decided = state.log.commit is not None or state.log.row is Row.COMMIT
+        decided = state.log.commit is not None or state.log.row in (Row.COMMIT, Row.CLEANED)
         report.outcomes_at_end.add((decided, state.told))
         if not decision_stable(state, self.last is not None):
             broken.append("decision_stable")
@@ -502,7 +550,10 @@ class Explorer:
             nxt = pc._replace(at=pc.at + 1, results=results)
             if nxt.at == len(pc.names):
                 nxt = self._phase_two_done(pc.names, results)
-            found.append((f"commit {name}: {reply.label}", self._after_call(state, i, reply, nxt)))
+            after = self._after_call(state, i, reply, nxt)
+            if self.lazy and reply.part is Part.COMMITTED and state.parts[i] is Part.PREPARED:
+                after = after._replace(volatile=after.volatile | {i})  # its record is lazy
+            found.append((f"commit {name}: {reply.label}", after))
         return found
 
     def _phase_two_done(self, names: tuple[str, ...], results: tuple[BranchResult, ...]) -> Pc:
@@ -548,11 +599,19 @@ class Explorer:
         return found
 
     def _end(self, state: State) -> Successors:
-        if self.last:  # no decision-log END: the row goes lazily, which changes no outcome
+        if state.volatile and not self.eager_end:  # the EndLatch: END once they are on disk
+            deferred = state._replace(
+                deferred_end=True, pc=Pc(Step.REPLY, outcome=state.pc.outcome)
+            )
+            return [("END deferred until the lazy records are on disk", deferred)]
+        if self.last:  # no decision-log END: the row goes (lazily; here at once, the worst case)
             return [
                 (
-                    "row queued for cleanup",
-                    state._replace(pc=Pc(Step.REPLY, outcome=state.pc.outcome)),
+                    "row deleted",
+                    state._replace(
+                        log=state.log._replace(row=Row.CLEANED),
+                        pc=Pc(Step.REPLY, outcome=state.pc.outcome),
+                    ),
                 )
             ]
         log = state.log._replace(end=End.BUFFERED)
@@ -578,8 +637,13 @@ class Explorer:
         if not (free or state.crashes_left):
             return []
         label = f"crash {self.site(state.pc)}"
+        parts = state.parts  # a lazy commit record not on disk is lost: prepared again
+        for i in state.volatile:
+            parts = _set(parts, i, Part.PREPARED)
         nxt = state._replace(
-            parts=_sessions_closed(state.parts),
+            parts=_sessions_closed(parts),
+            volatile=frozenset(),
+            deferred_end=False,
             pc=Pc(Step.REC_START),
             crashes_left=state.crashes_left - (not free),
             recovery_crashes=state.recovery_crashes + (step in RECOVERY_STEPS),
@@ -645,9 +709,10 @@ class Explorer:
                 nxt = Pc(Step.REC_END)
             else:
                 nxt = pc._replace(at=pc.at + 1)
-            found.append(
-                (f"recovery commits {name}: {reply.label}", self._after_call(state, i, reply, nxt))
-            )
+            after = self._after_call(state, i, reply, nxt)
+            if reply.part is Part.COMMITTED:  # recovery's commit returns once it is on disk
+                after = after._replace(volatile=after.volatile - {i})
+            found.append((f"recovery commits {name}: {reply.label}", after))
         return found
 
     def _rec_end(self, state: State) -> Successors:
@@ -657,7 +722,7 @@ class Explorer:
     def _rec_lookup(self, state: State) -> Successors:
         """Ask the last resource's table (once per pass); the question fences a gtrid without a
         row. Unreachable, the pass knows nothing and presumes nothing."""
-        row = Row.ABORT if state.log.row is Row.NONE else state.log.row
+        row = Row.ABORT if state.log.row in (Row.NONE, Row.CLEANED) else state.log.row
         fenced = state._replace(log=state.log._replace(row=row))
         found = [("recovery reads the row", fenced._replace(pc=state.pc._replace(known=True)))]
         if state.outages_left:
@@ -710,8 +775,8 @@ class Explorer:
         table unanswered) defer."""
         pc, failed = state.pc, state.pc.failed
         for i in range(pc.at, len(self.names)):
-            if state.parts[i] is not Part.PREPARED:
-                continue
+            if state.parts[i] is not Part.PREPARED and i not in state.volatile:
+                continue  # recover() lists a lazily committed branch until it is on disk
             seen = state.log.row is Row.COMMIT and pc.known is True  # unread: not seen
             action = self.rules.recovery_action(
                 ours=True,
@@ -732,13 +797,25 @@ class Explorer:
             return [
                 (
                     f"recovery {verb} {self.names[i]}: {r.label}",
-                    self._after_call(
-                        state, i, r, pc._replace(at=i + 1, failed=failed or not r.reached)
+                    self._flushed(
+                        self._after_call(
+                            state, i, r, pc._replace(at=i + 1, failed=failed or not r.reached)
+                        ),
+                        i,
+                        r,
                     ),
                 )
                 for r in self._calls(state, i, call)
             ]
         return self._rec_done(state, failed)
+
+    @staticmethod
+    def _flushed(state: State, i: int, reply: _Reply) -> State:
+        """Recovery's call on a lazily committed branch waits for its record (or, a rollback,
+        finds it committed): either way it is on disk once the call returns."""
+        if reply.reached and i in state.volatile:
+            return state._replace(volatile=state.volatile - {i})
+        return state
 
 
 # -- invariants ----------------------------------------------------------------------------------
@@ -752,8 +829,9 @@ def atomic(parts: tuple[Part, ...]) -> bool:
 def decision_stable(state: State, last: bool = False) -> bool:
     """Every branch ended as the log decided, and as the caller was told."""
     parts, committed = state.parts, Part.COMMITTED in state.parts
-    # a last resource's row is a decision; so is its commit alone (the others read-only)
-    decided = state.log.commit is not None or state.log.row is Row.COMMIT
+    # a last resource's row is a decision (also once deleted); so is its commit alone (the
+    # others read-only)
+    decided = state.log.commit is not None or state.log.row in (Row.COMMIT, Row.CLEANED)
     if decided or (last and _alone_committed(state)):
         as_logged = all(p in (Part.COMMITTED, Part.READ_ONLY_DONE) for p in parts)
     else:

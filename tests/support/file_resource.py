@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +62,12 @@ _ABORTED = "aborted"
 # '-' and '.' never occur in a gid, so the mapping is reversible.
 _TO_FILE = str.maketrans("/+", "-.")
 _FROM_FILE = str.maketrans("-.", "/+")
+
+
+#: how long a lazy commit waits for its timer: long enough that phase two always finishes first
+#: (so each transaction's end is deferred and crash points count transactions), short enough
+#: that a test does not wait on it
+LAZY_DELAY = 0.05
 
 
 def gid_to_filename(gid: str) -> str:
@@ -278,10 +284,21 @@ class FileResource:
     """
 
     def __init__(
-        self, name: str, directory: str | os.PathLike[str], *, last_resource: bool = False
+        self,
+        name: str,
+        directory: str | os.PathLike[str],
+        *,
+        last_resource: bool = False,
+        lazy_commit: bool = False,
     ) -> None:
         self._name = validate_resource_name(name)
         self._last = last_resource
+        # lazy_commit: phase two queues the commit and applies it on disk a moment later
+        # (`coordinator.lazy_commit`); the queue, in order, with each one's durability callback
+        self._lazy_enabled = lazy_commit
+        self._lazy: list[tuple[Xid, list[Op], Callable[[], None]]] = []
+        self._lazy_timer: threading.Timer | None = None
+        self._lazy_flush = threading.Lock()
         self._ended: set[str] = set()  # decision rows queued for deletion (end_decision)
         self.directory = Path(directory)
         self._lock = threading.RLock()
@@ -386,6 +403,8 @@ class FileResource:
             return Vote.COMMIT
 
     def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
+        if any(queued == xid for queued, _, _ in self._lazy):
+            self.flush_commits()  # recovery's commit of a lazy one returns once it is on disk
         with self._lock:
             if xid in self._committed:
                 self._settle(xid, COMMITTED)  # idempotent; also finishes a commit cut short
@@ -399,6 +418,38 @@ class FileResource:
                 return None  # never prepared here (or forgotten): a commit of it counts as done
             self._apply(xid, ops)
             return None
+
+    def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
+        """With ``lazy_commit``: queue the prepared branch's commit; a timer (or recovery's
+        commit, or `flush_commits`) applies it on disk, then calls ``on_durable``."""
+        with self._lock:
+            ops = self._prepared_ops(xid) if self._lazy_enabled else None
+            if ops is None or xid in self._committed or xid in self._aborted:
+                outcome = None
+            else:
+                self._lazy.append((xid, ops, on_durable))
+                if self._lazy_timer is None:
+                    self._lazy_timer = threading.Timer(LAZY_DELAY, self.flush_commits)
+                    self._lazy_timer.daemon = True
+                    self._lazy_timer.start()
+                crash_point(f"fileres.{self._name}.after_lazy_commit")
+                return None
+        outcome = self.commit(xid)
+        on_durable()
+        return outcome
+
+    def flush_commits(self) -> None:
+        """Apply the queued lazy commits on disk, then run their callbacks (a flush running on
+        another thread is waited for, so this returns once every earlier callback has run)."""
+        with self._lazy_flush:
+            with self._lock:
+                queued, self._lazy, self._lazy_timer = self._lazy, [], None
+                for xid, ops, _ in queued:
+                    if xid not in self._committed:
+                        self._apply(xid, ops)
+            for _, _, on_durable in queued:
+                crash_point(f"fileres.{self._name}.lazy_durable")
+                on_durable()
 
     def rollback(self, xid: Xid) -> Outcome | None:
         with self._lock:

@@ -99,10 +99,12 @@ class Cluster:
 
     def __init__(
         self, workdir: Path, pg_url: str, *, proxy: Any = None, consumer_proxy: Any = None,
-        consumer_tx_timeout: float = 30.0,
+        consumer_tx_timeout: float = 30.0, llr: bool = False,
     ) -> None:  # fmt: skip
         """``proxy``: a `FaultProxy` between the log and the cursor; ``consumer_proxy``: one
-        between the consumers and the cursor (both forward to ``cursor_port``)."""
+        between the consumers and the cursor (both forward to ``cursor_port``); ``llr``: the
+        producers' and consumers' PostgreSQL is their logging last resource."""
+        self.llr = ["--llr"] if llr else []
         self.workdir = workdir
         self.pg_url = pg_url
         self.log_port, self.cursor_port = free_port(), free_port()
@@ -152,7 +154,8 @@ class Cluster:
         argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{self.log_port}",
                 "--pg", self.pg_url, "--id", pid, "--state", str(self.workdir / f"p-{pid}"),
                 "--txs", str(txs), "--per-tx", str(per_tx),
-                "--rollback-every", str(rollback_every), "--destination", destination]  # fmt: skip
+                "--rollback-every", str(rollback_every), "--destination", destination,
+                *self.llr]  # fmt: skip
         return self.add(f"producer-{pid}", argv, crash_at, done="DONE")
 
     def add_consumer(self, cid: str, *, batch: int = 1, crash_at: str | None = None,
@@ -165,7 +168,8 @@ class Cluster:
                 "--rpc-timeout", str(3.0 if self.consumer_proxy is not None else 30.0),
                 "--pg", self.pg_url, "--id", cid,
                 "--state", str(self.workdir / f"c-{cid}"), "--batch", str(batch),
-                "--stop-file", str(self.stop_file), "--destination", destination]  # fmt: skip
+                "--stop-file", str(self.stop_file), "--destination", destination,
+                *self.llr]  # fmt: skip
         return self.add(f"consumer-{cid}", argv, crash_at, done="HANDLED")
 
     def wait_for(self, name: str, word: str, timeout: float) -> None:
