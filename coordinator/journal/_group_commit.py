@@ -81,12 +81,12 @@ class GroupCommit:
         if backlog:
             self.sync()
 
-    def enqueue(self, frame: bytes, force: bool) -> Ticket:
+    def enqueue(self, frame: bytes, force: bool, records: int = 1) -> Ticket:
         """The first half of `submit`: queue the record and return at once. Records are written
         in the order they are queued, so a caller that queues under its own lock and applies the
         record to its state under the same lock keeps its state in the journal's order; it then
         calls `wait` outside the lock for the durability a forced record needs."""
-        ticket = Ticket(frame, force)
+        ticket = Ticket(frame, force, records)
         with self._mutex:
             self._enqueue(ticket)
             ticket.backlog = not force and self._queued_bytes >= LAZY_BACKLOG_BYTES

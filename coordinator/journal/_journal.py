@@ -127,6 +127,12 @@ class Journal:
         queued, so the caller's state and a replay see them in the same order."""
         return self._committer.enqueue(self._frame(payload), force)
 
+    def submit_many(self, payloads: Sequence[bytes], force: bool = True) -> Ticket:
+        """`submit` of several records as one queue entry (see `append_many`); ``payloads`` must
+        not be empty."""
+        frames = [self._frame(payload) for payload in payloads]
+        return self._committer.enqueue(b"".join(frames), force, len(frames))
+
     def _frame(self, payload: bytes) -> bytes:
         """The checks every appended record passes, then its frame."""
         if len(payload) > self._max_record:

@@ -248,8 +248,9 @@ class Cursor:
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    for record, decision in records:
-                        self._last_accept = self._submit_locked(record, False)
+                    if records:  # one queue entry for the batch, in order
+                        self._last_accept = self._submit_many_locked([r for r, _ in records])
+                    for _, decision in records:
                         self._filter.adopt(decision)
                     for verdict, n in trial.counts.items():
                         self._filter.counts[verdict] += n
@@ -836,6 +837,16 @@ class Cursor:
         except LogWriteError as exc:
             raise self._located(exc) from exc
         self._state.apply(record)
+        return ticket
+
+    def _submit_many_locked(self, records: list[dict[str, Any]]) -> Ticket:
+        """`_submit_locked` of a lazy batch: queued as one entry, then applied in order."""
+        try:
+            ticket = self._journal.submit_many([encode(r) for r in records], False)
+        except LogWriteError as exc:
+            raise self._located(exc) from exc
+        for record in records:
+            self._state.apply(record)
         return ticket
 
     def _wait(self, ticket: Ticket) -> None:

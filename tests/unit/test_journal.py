@@ -96,7 +96,10 @@ def test_append_many_writes_a_batch_in_order_in_one_group(tmp_path: Path) -> Non
         assert after.fsyncs - before.fsyncs == 1
         with pytest.raises(LogWriteError):
             journal.append_many([b"five", b"x" * 11])
-    assert replayed(tmp_path) == [b"zero", b"one", b"two", b"three", b"four"]
+        ticket = journal.submit_many([b"six", b"seven"], force=False)  # the two-halves form
+        journal.wait(ticket)
+        assert journal.stats().lazy_records - after.lazy_records == 2
+    assert replayed(tmp_path) == [b"zero", b"one", b"two", b"three", b"four", b"six", b"seven"]
 
 
 def test_submit_then_wait_keeps_the_callers_order_under_concurrency(tmp_path: Path) -> None:
