@@ -35,6 +35,10 @@ INTERNAL_ERRORS = "internal_errors"
 
 Address = tuple[str, int]
 
+#: how much a connection reads at a time once a frame is due: a burst of MSG frames then costs
+#: a system call per 64 KiB instead of two per frame (plus a ``select`` in `readable`)
+READ_AHEAD = 64 * 1024
+
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> Address:
     """``host:port``, ``:port`` or ``port``; IPv6 as ``[::1]:port``."""
@@ -61,7 +65,8 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.max_frame = max_frame
-        self._reader = FrameReader(sock, max_frame=max_frame)
+        # The connection is the socket's last reader, so it may read ahead (see `readable`).
+        self._reader = FrameReader(sock, max_frame=max_frame, read_ahead=READ_AHEAD)
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._timeout: float | object | None = object()  # what the socket has now
@@ -84,7 +89,10 @@ class Connection:
 
     def readable(self) -> bool:
         """Is a frame's byte here already, so `recv` will not wait for the peer to start one?
-        A TLS socket may hold decrypted bytes that ``select`` on the socket cannot see."""
+        Bytes the reader read ahead, or that a TLS socket decrypted, are invisible to ``select``
+        on the socket: they count too."""
+        if self._reader.pending():
+            return True
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0:
             return True
         return bool(select.select([self.sock], [], [], 0)[0])

@@ -523,6 +523,20 @@ def encode(
 ) -> bytes:
     """One whole frame. A wrong field type or a frame over ``max_frame`` is the caller's bug
     (`ProgrammingError`): better refused here than dropped by the peer with the connection."""
+    out = _encode_msg(frame) if type(frame) is Msg else None
+    if out is None:
+        out = _encode_generic(frame)
+    if len(out) > max_frame:
+        raise _misuse(f"{len(out)} bytes exceed the frame limit of {max_frame}")
+    length = len(out) - HEADER_SIZE
+    HEADER.pack_into(out, 0, MAGIC, version, frame.TYPE, 0, length, 0)
+    crc = zlib.crc32(memoryview(out)[HEADER_SIZE:], zlib.crc32(memoryview(out)[:12]))
+    struct.pack_into(">I", out, 12, crc)
+    return bytes(out)
+
+
+def _encode_generic(frame: Frame) -> bytearray:
+    """The header's room, then the payload: the frame's schema fields, walked generically."""
     schema = _SCHEMAS.get(getattr(frame, "TYPE", None))  # type: ignore[arg-type]
     if schema is None or type(frame) is not schema[0]:  # the reader would refuse it
         raise _misuse(f"{type(frame).__name__} is not a frame type")
@@ -540,13 +554,97 @@ def encode(
         _encode_value(wire, out, 0)
     except UnicodeEncodeError as exc:
         raise _misuse(f"text is not encodable as UTF-8 ({exc.reason})") from None
-    if len(out) > max_frame:
-        raise _misuse(f"{len(out)} bytes exceed the frame limit of {max_frame}")
-    length = len(out) - HEADER_SIZE
-    HEADER.pack_into(out, 0, MAGIC, version, frame.TYPE, 0, length, 0)
-    crc = zlib.crc32(memoryview(out)[HEADER_SIZE:], zlib.crc32(memoryview(out)[:12]))
-    struct.pack_into(">I", out, 12, crc)
-    return bytes(out)
+    return out
+
+
+def _key(name: str) -> bytes:
+    return bytes([len(name)]) + name.encode("ascii")
+
+
+# Msg's field names in the payload's (sorted) key order, each as it is written: length, name.
+_K_BODY, _K_COUNT, _K_DEST, _K_EPOCH, _K_EXPIRES, _K_HEADERS = map(
+    _key, ("body", "delivery_count", "destination", "epoch", "expires_at_ms", "headers")
+)
+_K_ID, _K_PERSISTENT, _K_PREV, _K_REDELIVERED, _K_SEQ, _K_STREAM = map(
+    _key, ("message_id", "persistent", "prev", "redelivered", "seq", "stream")
+)
+
+
+def _put_str(text: str, out: bytearray) -> None:
+    raw = text.encode("utf-8", "strict")
+    out.append(_STR)
+    _varint(len(raw), out)
+    out += raw
+
+
+def _put_uint(n: int, out: bytearray) -> None:
+    out.append(_UINT)
+    _varint(n, out)
+
+
+def _encode_msg(m: Msg) -> bytearray | None:
+    """`_encode_generic`'s bytes for a MSG frame, written straight from its fields (a transfer
+    sends one per message, and the generic walk was most of its cost). None when a field is not
+    of the everyday kind (text headers, non-negative numbers, valid UTF-8): the generic path then
+    encodes it or refuses it with its message. Tests hold the two byte-identical."""
+    stream, mid, dest, body, headers = m.stream, m.message_id, m.destination, m.body, m.headers
+    numbers = (m.epoch, m.seq, m.prev, m.delivery_count)
+    expires, persistent, redelivered = m.expires_at_ms, m.persistent, m.redelivered
+    if not (
+        type(stream) is str and type(mid) is str and type(dest) is str and type(body) is bytes
+        and type(headers) is dict and all(type(n) is int and 0 <= n < _U64 for n in numbers)
+        and (expires is None or (type(expires) is int and 0 <= expires < _U64))
+        and type(persistent) is bool and type(redelivered) is bool
+        and all(type(k) is str and type(v) is str for k, v in headers.items())
+    ):  # fmt: skip
+        return None
+    epoch, seq, prev, count = numbers
+    fields_ = 7 + (count != 0) + (expires is not None) + bool(headers)
+    fields_ += (not persistent) + redelivered
+    out = bytearray(HEADER_SIZE)
+    out.append(_MAP)
+    out.append(fields_)  # at most 12: one varint byte
+    try:
+        out += _K_BODY
+        out.append(_BYTES)
+        _varint(len(body), out)
+        out += body
+        if count:
+            out += _K_COUNT
+            _put_uint(count, out)
+        out += _K_DEST
+        _put_str(dest, out)
+        out += _K_EPOCH
+        _put_uint(epoch, out)
+        if expires is not None:
+            out += _K_EXPIRES
+            _put_uint(expires, out)
+        if headers:
+            out += _K_HEADERS
+            out.append(_MAP)
+            _varint(len(headers), out)
+            for key in sorted(headers):
+                raw = key.encode("utf-8", "strict")
+                _varint(len(raw), out)
+                out += raw
+                _put_str(headers[key], out)
+        out += _K_ID
+        _put_str(mid, out)
+        if not persistent:
+            out += _K_PERSISTENT
+            out.append(_FALSE)
+        out += _K_PREV
+        _put_uint(prev, out)
+        if redelivered:
+            out += _K_REDELIVERED
+            out.append(_TRUE)
+        out += _K_SEQ
+        _put_uint(seq, out)
+        out += _K_STREAM
+        _put_str(stream, out)
+    except UnicodeEncodeError:
+        return None
+    return out
 
 
 def parse_header(
@@ -583,10 +681,19 @@ def decode_payload(
     crc = zlib.crc32(payload, zlib.crc32(memoryview(header_bytes)[:12]))
     if crc != header.crc:
         raise bad_frame("crc", "checksum mismatch", header.crc, crc)
+    if header.type is FrameType.MSG:
+        msg = _decode_msg(payload)
+        if msg is not None:
+            return msg
+    return _decode_generic(header.type, payload)
+
+
+def _decode_generic(ftype: FrameType, payload: bytes | bytearray | memoryview) -> Frame:
+    """The payload as a map, then each schema field converted and checked."""
     wire = decode_value(payload)
     if not isinstance(wire, dict):
         raise _bad_payload("payload is not a map", got=type(wire).__name__)
-    cls, specs = _SCHEMAS[header.type]
+    cls, specs = _SCHEMAS[ftype]
     kwargs: dict[str, Any] = {}
     for spec in specs:
         if spec.name in wire:
@@ -600,9 +707,122 @@ def decode_payload(
         unknown = sorted(wire.keys() - kwargs.keys())
         raise _bad_payload(f"unknown fields {unknown} in {cls.__name__}", got=unknown)
     if cls is XaRequest:
-        kwargs["verb"] = header.type
+        kwargs["verb"] = ftype
     frame: Frame = cls(**kwargs)
     return frame
+
+
+def _uint_at(data: bytes, pos: int) -> tuple[int, int]:
+    """An unsigned integer value (tag, then varint) at ``pos``."""
+    if data[pos] != _UINT:
+        raise _bad_payload("not the everyday form")
+    if data[pos + 1] < 0x80:
+        return data[pos + 1], pos + 2
+    return _read_varint(memoryview(data), pos + 1)
+
+
+def _str_at(data: bytes, pos: int) -> tuple[str, int]:
+    """A text value (tag, length, UTF-8) at ``pos``."""
+    if data[pos] != _STR:
+        raise _bad_payload("not the everyday form")
+    n, start = data[pos + 1], pos + 2
+    if n >= 0x80:
+        n, start = _read_varint(memoryview(data), pos + 1)
+    end = start + n
+    if end > len(data):
+        raise _bad_payload("text runs past the payload's end")
+    return data[start:end].decode("utf-8"), end
+
+
+def _bool_at(data: bytes, pos: int) -> bool:
+    if data[pos] not in (_FALSE, _TRUE):
+        raise _bad_payload("not the everyday form")
+    return data[pos] == _TRUE
+
+
+def _headers_at(data: bytes, pos: int) -> tuple[dict[str, Value], int]:
+    """A map of text to text at ``pos``, keys strictly ascending."""
+    if data[pos] != _MAP:
+        raise _bad_payload("not the everyday form")
+    entries, pos = _read_varint(memoryview(data), pos + 1)
+    headers: dict[str, Value] = {}
+    previous = ""
+    for i in range(entries):
+        raw, pos = _read_sized(memoryview(data), pos)
+        key = str(raw, "utf-8")
+        if i and key <= previous:
+            raise _bad_payload("header keys out of order")
+        headers[key], pos = _str_at(data, pos)
+        previous = key
+    return headers, pos
+
+
+def _decode_msg(payload: bytes | bytearray | memoryview) -> Msg | None:  # noqa: PLR0912
+    """The Msg `_decode_generic` would build, read in the everyday layout `_encode_msg` writes
+    (fields in canonical order, numbers unsigned, headers text); None for any other payload,
+    which the generic path then reads or refuses with its own error. Nothing is accepted here
+    that the generic path would refuse: varints minimal (a one-byte one always is), text valid
+    UTF-8, header keys strictly ascending, field names compared whole and in order, every byte
+    used."""
+    data = bytes(payload)  # one small copy: bytes index and compare cheaper than a view
+    try:
+        if data[0] != _MAP or data[1] > 12 or not data.startswith(_K_BODY, 2):
+            return None
+        at = 2 + len(_K_BODY)
+        if data[at] != _BYTES:
+            return None
+        n, start = data[at + 1], at + 2
+        if n >= 0x80:
+            n, start = _read_varint(memoryview(data), at + 1)
+        pos = start + n
+        if pos > len(data):
+            return None
+        body = data[start:pos]
+        count, fields_ = data[1], 7
+        delivery_count = 0
+        if data.startswith(_K_COUNT, pos):
+            delivery_count, pos = _uint_at(data, pos + len(_K_COUNT))
+            fields_ += 1
+        if not data.startswith(_K_DEST, pos):
+            return None
+        destination, pos = _str_at(data, pos + len(_K_DEST))
+        if not data.startswith(_K_EPOCH, pos):
+            return None
+        epoch, pos = _uint_at(data, pos + len(_K_EPOCH))
+        expires: int | None = None
+        if data.startswith(_K_EXPIRES, pos):
+            expires, pos = _uint_at(data, pos + len(_K_EXPIRES))
+            fields_ += 1
+        headers: dict[str, Value] = {}
+        if data.startswith(_K_HEADERS, pos):
+            headers, pos = _headers_at(data, pos + len(_K_HEADERS))
+            fields_ += 1
+        if not data.startswith(_K_ID, pos):
+            return None
+        message_id, pos = _str_at(data, pos + len(_K_ID))
+        persistent = True
+        if data.startswith(_K_PERSISTENT, pos):
+            persistent = _bool_at(data, pos + len(_K_PERSISTENT))
+            pos, fields_ = pos + len(_K_PERSISTENT) + 1, fields_ + 1
+        if not data.startswith(_K_PREV, pos):
+            return None
+        prev, pos = _uint_at(data, pos + len(_K_PREV))
+        redelivered = False
+        if data.startswith(_K_REDELIVERED, pos):
+            redelivered = _bool_at(data, pos + len(_K_REDELIVERED))
+            pos, fields_ = pos + len(_K_REDELIVERED) + 1, fields_ + 1
+        if not data.startswith(_K_SEQ, pos):
+            return None
+        seq, pos = _uint_at(data, pos + len(_K_SEQ))
+        if not data.startswith(_K_STREAM, pos):
+            return None
+        stream, pos = _str_at(data, pos + len(_K_STREAM))
+    except (FrameError, IndexError, UnicodeDecodeError):
+        return None
+    if pos != len(data) or count != fields_:
+        return None
+    return Msg(stream, epoch, seq, prev, message_id, destination, body, headers, expires,
+               persistent, redelivered, delivery_count)  # fmt: skip
 
 
 def decode(
@@ -637,10 +857,13 @@ class _Stream(Protocol):
 class FrameReader:
     """Frames from a blocking socket (``recv_into``) or binary stream (``readinto``).
 
-    No read-ahead: it asks for exactly the rest of the current header or payload, never a byte
-    of the next frame, so the handshake's small pre-auth reader can hand the socket on to a
-    full-size reader with nothing lost, and a bad header costs one 16-byte read. Pass the socket
-    itself: ``sock.makefile()`` reads ahead, and what it took would be lost to the next reader.
+    No read-ahead by default: it asks for exactly the rest of the current header or payload,
+    never a byte of the next frame, so the handshake's small pre-auth reader can hand the socket
+    on to a full-size reader with nothing lost, and a bad header costs one 16-byte read. Pass the
+    socket itself: ``sock.makefile()`` reads ahead, and what it took would be lost to the next
+    reader. ``read_ahead`` (bytes) is for the last reader of a socket, which nothing follows (a
+    `Connection`'s): it reads up to that much at a time, so a burst of small frames costs one
+    system call, not two per frame; `pending` tells how much it holds that ``select`` cannot see.
     A socket timeout keeps the part already read: call `read` again. After a `FrameError` every
     call raises it again, because the stream is out of step and must be closed.
     """
@@ -651,6 +874,7 @@ class FrameReader:
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
         versions: frozenset[int] = SUPPORTED_VERSIONS,
+        read_ahead: int = 0,
     ) -> None:
         if not HEADER_SIZE < max_frame <= HEADER_SIZE + 0xFFFFFFFF:
             raise ProgrammingError(
@@ -664,11 +888,31 @@ class FrameReader:
         self._payload = bytearray()
         self._got = 0
         self._failed: FrameError | None = None
+        self._ahead = memoryview(bytearray(read_ahead))  # bytes read past the current frame
+        self._ahead_at = self._ahead_end = 0
+
+    def pending(self) -> int:
+        """Bytes already read from the source and not yet returned in a frame."""
+        return self._ahead_end - self._ahead_at
 
     def _fill(self, buf: bytearray, *, boundary: bool) -> bool:
         view = memoryview(buf)
+        n: int | None
         while self._got < len(buf):
-            n = self._recv(view[self._got :])
+            want = len(buf) - self._got
+            if self._ahead_end > self._ahead_at:  # read ahead before: take from there first
+                n = min(want, self._ahead_end - self._ahead_at)
+                view[self._got : self._got + n] = self._ahead[self._ahead_at : self._ahead_at + n]
+                self._ahead_at += n
+                self._got += n
+                continue
+            if want < len(self._ahead):  # small: read what has come, up to the buffer's size
+                n = self._recv(self._ahead)
+                if n:
+                    self._ahead_at, self._ahead_end = 0, n
+                    continue
+            else:  # large (or no read-ahead): straight into place
+                n = self._recv(view[self._got :])
             if n is None:
                 raise ProgrammingError("FrameReader needs a blocking stream")
             if n == 0:

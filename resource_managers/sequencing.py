@@ -191,6 +191,12 @@ class StreamFilter:
         """Adopt an accepting decision once its message and ``decision.after`` are durable; returns
         the ack to send. Refused if the stream moved since the offer (a second transfer thread on
         the stream, or the same decision applied twice): its message may now be a duplicate."""
+        self.adopt(decision)
+        return self.ack_for(decision.frame.stream)
+
+    def adopt(self, decision: Decision) -> None:
+        """`accepted` without building its acknowledgment, for a batch that sends one per
+        stream once every message of it is adopted."""
         stream = decision.frame.stream
         if not decision.verdict.accepts or self.state(stream) != decision.before:
             raise IllegalStateError(
@@ -198,7 +204,6 @@ class StreamFilter:
                 stream=stream,
             )
         self._streams[stream] = decision.after
-        return self.ack_for(stream)
 
     def to_dict(self) -> dict[str, Any]:
         streams = {name: state.to_dict() for name, state in sorted(self._streams.items())}
@@ -234,7 +239,7 @@ class DoublingBackoff:
         return min(self.cap, self.base * 2.0 ** min(max(0, failures - 1), 64))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     message_id: str
     expires_at: float | None
@@ -242,6 +247,8 @@ class _Pending:
     sent: bool = False
     sends: int = 0
     due_at: float = -math.inf
+    #: the number of the message before it in the window (0: it is the head), kept as it changes
+    prev: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,6 +311,14 @@ class StreamSender:
         self.newest_epoch_seen = self.epoch
         self.counts: dict[AckVerdict, int] = dict.fromkeys(AckVerdict, 0)
         self._window: dict[int, _Pending] = {}  # sequence number -> message, ascending
+        # Bookkeeping so that a tick costs what it sends, not the window's size (a backlog of
+        # thousands is normal): the first-send candidates in order, how many are in flight, and
+        # lower bounds of every resend timer and deadline. A bound may be early (an acknowledged
+        # message leaves it behind): a tick that reaches it scans the window and makes it exact.
+        self._unsent: dict[int, None] = {}  # numbers with sends == 0 (due at once), ascending
+        self._in_flight = 0  # entries with sends > 0
+        self._timer_floor = math.inf  # <= due_at of every entry with sends > 0
+        self._expiry_floor = math.inf  # <= expires_at of every entry
 
     @property
     def fenced(self) -> bool:
@@ -320,7 +335,7 @@ class StreamSender:
         seq = self.next_seq
         if seq > MAX_NUMBER:
             raise IllegalStateError("sequence numbers exhausted: start a new epoch")
-        self._window[seq] = _Pending(_name("message id", message_id, ValueError), expires_at)
+        self._append(seq, _Pending(_name("message id", message_id, ValueError), expires_at))
         self.next_seq = seq + 1
         return seq
 
@@ -330,14 +345,27 @@ class StreamSender:
         previous-number links cover."""
         if _number("sequence number", seq, 1, ValueError) < self.next_seq:
             raise ValueError(f"{self.stream}: adopt {seq} below next number {self.next_seq}")
-        self._window[seq] = _Pending(_name("message id", message_id, ValueError), expires_at)
+        self._append(seq, _Pending(_name("message id", message_id, ValueError), expires_at))
         self.next_seq = seq + 1
+
+    def _append(self, seq: int, pending: _Pending) -> None:
+        """``seq`` is above every number in the window."""
+        window = self._window
+        pending.prev = next(reversed(window), 0) if window else 0
+        window[seq] = pending
+        if pending.sends:
+            self._in_flight += 1
+            self._timer_floor = min(self._timer_floor, pending.due_at)
+        else:
+            self._unsent[seq] = None
+        if pending.expires_at is not None:
+            self._expiry_floor = min(self._expiry_floor, pending.expires_at)
 
     @property
     def in_flight(self) -> int:
         """Messages this object sent that are not acknowledged, for a window limit (those
         restored by `from_dict` are not counted until sent again)."""
-        return sum(1 for p in self._window.values() if p.sends)
+        return self._in_flight
 
     def resend_all(self) -> None:
         """Make every sent message due now, as after a reconnect: what was on the old
@@ -346,45 +374,69 @@ class StreamSender:
             if pending.sent:
                 pending.due_at = -math.inf
                 pending.sends = 0
+        self._recount()
+
+    def _recount(self) -> None:
+        """Rebuild the bookkeeping from the window (after a change to many entries)."""
+        self._unsent = {seq: None for seq, p in self._window.items() if not p.sends}
+        self._in_flight = len(self._window) - len(self._unsent)
+        self._timer_floor = min((p.due_at for p in self._window.values() if p.sends),
+                                default=math.inf)  # fmt: skip
+        self._expiry_floor = min((p.expires_at for p in self._window.values()
+                                  if p.expires_at is not None), default=math.inf)  # fmt: skip
 
     def frames(self) -> list[Frame]:
         """The window as it would go out now, with current previous numbers (for inspection)."""
-        return [self._frame(seq, prev, p) for seq, prev, p in self._linked()]
-
-    def _linked(self) -> Iterable[tuple[int, int, _Pending]]:
-        prev = 0
-        for seq, pending in self._window.items():
-            yield seq, prev, pending
-            prev = seq
+        return [self._frame(seq, p.prev, p) for seq, p in self._window.items()]
 
     def _frame(self, seq: int, prev: int, pending: _Pending) -> Frame:
         return Frame(self.stream, self.epoch, seq, prev, pending.message_id)
 
+    def _remove(self, seq: int) -> _Pending:
+        """Take ``seq`` out of the window; its successor is linked to its predecessor."""
+        pending = self._window.pop(seq)
+        if pending.sends:
+            self._in_flight -= 1
+        else:
+            self._unsent.pop(seq, None)
+        return pending
+
     def expire(self, now: float) -> list[Expired]:
         """Remove unacknowledged messages whose deadline passed; the message after each run of
         removed ones is relinked to the one before the run and, if it was sent, is due at once."""
+        if now < self._expiry_floor:
+            return []
         gone: list[Expired] = []
         relinked = False
+        prev = 0
         for seq, pending in list(self._window.items()):
             if pending.expires_at is not None and now >= pending.expires_at:
-                del self._window[seq]
+                self._remove(seq)
                 gone.append(Expired(seq, pending.message_id, pending.sent))
                 relinked = True
-            elif relinked:
+                continue
+            pending.prev = prev
+            prev = seq
+            if relinked:
                 if pending.sent:
                     pending.due_at = -math.inf
                 relinked = False
+        self._recount()
         return gone
 
     def withdraw(self, seq: int) -> bool:
         """Take message ``seq`` out of the window unacknowledged (the receiver refused it), as
         `expire` would: the message after it is relinked to the one before and, if it was sent,
         is due at once. False if ``seq`` is not in the window."""
-        if self._window.pop(seq, None) is None:
+        if seq not in self._window:
             return False
+        removed = self._remove(seq)
         following = next((p for s, p in self._window.items() if s > seq), None)
-        if following is not None and following.sent:
-            following.due_at = -math.inf
+        if following is not None:
+            following.prev = removed.prev
+            if following.sent:
+                following.due_at = -math.inf
+                self._timer_floor = -math.inf
         return True
 
     def due_for_resend(
@@ -394,21 +446,38 @@ class StreamSender:
         timer restarts. A message past its deadline is not sent (`expire` removes it). At most
         ``limit`` frames; a first send only while fewer than ``max_in_flight`` are unacknowledged
         (resends always go: holding them back could wedge a full window)."""
+        room = math.inf if max_in_flight is None else max_in_flight - self._in_flight
+        if now < self._timer_floor:  # no resend is due: only first sends, never a window scan
+            candidates: Iterable[int] = self._unsent
+        else:
+            candidates = self._window
         out: list[Frame] = []
-        room = math.inf if max_in_flight is None else max_in_flight - self.in_flight
-        for seq, prev, pending in self._linked():
+        chosen: list[tuple[int, _Pending]] = []
+        window = self._window
+        for seq in candidates:
             if limit is not None and len(out) >= limit:
                 break
+            pending = window[seq]
             late = pending.expires_at is not None and now >= pending.expires_at
             if pending.due_at <= now and not late:
                 if not pending.sends:
                     if room <= 0:
                         break
                     room -= 1
-                out.append(self._frame(seq, prev, pending))
-                pending.sent, pending.sends = True, pending.sends + 1
-                pending.due_at = now + self.backoff.compute(pending.sends)
-                self.highest_sent = max(self.highest_sent, seq)
+                out.append(Frame(self.stream, self.epoch, seq, pending.prev, pending.message_id))
+                chosen.append((seq, pending))
+        for seq, pending in chosen:
+            if not pending.sends:
+                del self._unsent[seq]
+                self._in_flight += 1
+            pending.sent, pending.sends = True, pending.sends + 1
+            pending.due_at = now + self.backoff.compute(pending.sends)
+            self._timer_floor = min(self._timer_floor, pending.due_at)
+        if chosen:
+            self.highest_sent = max(self.highest_sent, chosen[-1][0])
+        if candidates is window:  # the scan's bound is exact again
+            self._timer_floor = min((p.due_at for p in window.values() if p.sends),
+                                    default=math.inf)  # fmt: skip
         return out
 
     def tick(self, now: float, limit: int | None = None, max_in_flight: int | None = None) -> Tick:
@@ -416,13 +485,17 @@ class StreamSender:
         expired = self.expire(now)
         return Tick(tuple(expired), tuple(self.due_for_resend(now, limit, max_in_flight)))
 
-    def next_wakeup(self) -> float | None:
-        """When the next timer or deadline falls due (-inf: something is due now; None: idle)."""
-        times = (
-            min(p.due_at, math.inf if p.expires_at is None else p.expires_at)
-            for p in self._window.values()
-        )
-        return min(times, default=None)
+    def next_wakeup(self, max_in_flight: int | None = None) -> float | None:
+        """When the next timer or deadline falls due (-inf: something is due now; None: idle).
+        With ``max_in_flight``, a first send waiting for room is not due: an acknowledgment makes
+        room, and the caller hears that without a timer. May be early (never late): a timer of a
+        message acknowledged since is still counted until the next tick that reaches it."""
+        if not self._window:
+            return None
+        waiting = max_in_flight is not None and self._in_flight >= max_in_flight
+        if self._unsent and not waiting:
+            return -math.inf
+        return min(self._timer_floor, self._expiry_floor)
 
     def on_ack(self, epoch: int, seq: int) -> AckResult:
         """An order acknowledgment: everything up to and including ``seq`` arrived, in order."""
@@ -431,8 +504,15 @@ class StreamSender:
         if verdict is not AckVerdict.ADVANCED:
             return AckResult(verdict)
         done: list[tuple[int, str]] = []
-        while self._window and (first := next(iter(self._window))) <= seq:
-            done.append((first, self._window.pop(first).message_id))
+        window = self._window
+        while window and (first := next(iter(window))) <= seq:
+            done.append((first, self._remove(first).message_id))
+        if window:
+            window[next(iter(window))].prev = 0
+        if not self._in_flight:
+            self._timer_floor = math.inf
+        if not window:
+            self._expiry_floor = math.inf
         self.acked = seq
         return AckResult(verdict, tuple(done))
 
@@ -466,5 +546,5 @@ class StreamSender:
             if not last < _number("sequence number", seq, 1, ValueError) < sender.next_seq:
                 raise ValueError(f"pending {seq} out of order or outside {last}..{sender.next_seq}")
             name = _name("message id", message_id, ValueError)
-            sender._window[seq] = _Pending(name, expires_at, sent=True)
+            sender._append(seq, _Pending(name, expires_at, sent=True))
         return sender

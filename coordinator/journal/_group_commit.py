@@ -27,11 +27,12 @@ LAZY_BACKLOG_BYTES = 1024 * 1024
 
 
 class Ticket:
-    __slots__ = ("backlog", "done", "error", "forced", "frame", "wake")
+    __slots__ = ("backlog", "done", "error", "forced", "frame", "records", "wake")
 
-    def __init__(self, frame: bytes, forced: bool) -> None:
+    def __init__(self, frame: bytes, forced: bool, records: int = 1) -> None:
         self.frame = frame
         self.forced = forced
+        self.records = records  # frames joined in ``frame`` (the last one counts as forced)
         self.backlog = False  # a lazy record that found the queue over LAZY_BACKLOG_BYTES
         self.done = False
         self.error: LogWriteError | None = None
@@ -67,9 +68,10 @@ class GroupCommit:
         self.forced_records = 0
         self.lazy_records = 0
 
-    def submit(self, frame: bytes, force: bool) -> None:
-        """Queue a record; if forced, return only once it is durable (or raise why it is not)."""
-        ticket = Ticket(frame, force)
+    def submit(self, frame: bytes, force: bool, records: int = 1) -> None:
+        """Queue a record (or ``records`` frames joined, written together and in order); if
+        forced, return only once it is durable (or raise why it is not)."""
+        ticket = Ticket(frame, force, records)
         if force:
             self._force(ticket)
             return
@@ -79,12 +81,12 @@ class GroupCommit:
         if backlog:
             self.sync()
 
-    def enqueue(self, frame: bytes, force: bool) -> Ticket:
+    def enqueue(self, frame: bytes, force: bool, records: int = 1) -> Ticket:
         """The first half of `submit`: queue the record and return at once. Records are written
         in the order they are queued, so a caller that queues under its own lock and applies the
         record to its state under the same lock keeps its state in the journal's order; it then
         calls `wait` outside the lock for the durability a forced record needs."""
-        ticket = Ticket(frame, force)
+        ticket = Ticket(frame, force, records)
         with self._mutex:
             self._enqueue(ticket)
             ticket.backlog = not force and self._queued_bytes >= LAZY_BACKLOG_BYTES
@@ -175,8 +177,9 @@ class GroupCommit:
         if ticket.frame:
             if ticket.forced:
                 self.forced_records += 1
+                self.lazy_records += ticket.records - 1
             else:
-                self.lazy_records += 1
+                self.lazy_records += ticket.records
 
     def _take(self) -> list[Ticket]:
         batch, self._queue, self._queued_bytes = self._queue, [], 0

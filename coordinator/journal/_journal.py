@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -112,12 +112,26 @@ class Journal:
         written with the next forced group, `flush` or `close`, and lost if we crash first."""
         self._committer.submit(self._frame(payload), force)
 
+    def append_many(self, payloads: Sequence[bytes], force: bool = True) -> None:
+        """`append` of several records at once, in order, in one group (counted as lazy records
+        and, if ``force``, a forced last one): a batch costs one queue entry, not one each.
+        Every record passes the size check before any is queued."""
+        frames = [self._frame(payload) for payload in payloads]
+        if frames:
+            self._committer.submit(b"".join(frames), force, len(frames))
+
     def submit(self, payload: bytes, force: bool = True) -> Ticket:
         """`append` in two halves, for a caller whose state must follow the journal's order:
         queue the record now (under the caller's lock, where it applies the record too), then
         `wait` for it outside that lock. The journal writes records in the order they were
         queued, so the caller's state and a replay see them in the same order."""
         return self._committer.enqueue(self._frame(payload), force)
+
+    def submit_many(self, payloads: Sequence[bytes], force: bool = True) -> Ticket:
+        """`submit` of several records as one queue entry (see `append_many`); ``payloads`` must
+        not be empty."""
+        frames = [self._frame(payload) for payload in payloads]
+        return self._committer.enqueue(b"".join(frames), force, len(frames))
 
     def _frame(self, payload: bytes) -> bytes:
         """The checks every appended record passes, then its frame."""

@@ -290,9 +290,8 @@ class ProducerService(_Service[MessageLogResource]):
 
     def _stage(self, branch: ProducerBranch, message: Message) -> None:
         check_message(message, max_bytes=self.mlog.max_message_bytes)
-        staged = sum(1 for m in branch.messages if m.destination == message.destination)
-        self.mlog.check_room(message.destination, staged + 1)
-        branch.messages.append(message)
+        self.mlog.check_room(message.destination, branch.staged[message.destination] + 1)
+        branch.add([message])
 
     def _prepare(
         self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open

@@ -299,7 +299,11 @@ class LogTransfer:
 
     def _sleep(self) -> float:
         with self._lock:
-            wakeups = [w for s in self._senders.values() if (w := s.next_wakeup()) is not None]
+            wakeups = [
+                w
+                for s in self._senders.values()
+                if (w := s.next_wakeup(self.max_in_flight)) is not None
+            ]
         now = time.monotonic()
         until = min(wakeups, default=now + self.ping_interval)
         return max(0.0, min(until - now, self.ping_interval))

@@ -284,13 +284,19 @@ class Cursor:
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    for record, decision in records:
-                        fresh = self._fresh_arrival(record)
-                        self._last_accept = self._submit_locked(record, False)
-                        self._filter.accepted(decision)
-                        credit = _precount.grant(self._state, self._arrived(record, fresh))
-                        if credit is not None:  # pending until the lazy record is on disk
+                    if records:  # one queue entry for the batch, in order
+                        fresh = [self._fresh_arrival(r) for r, _ in records]
+                        self._last_accept = self._submit_many_locked([r for r, _ in records])
+                        keys = [
+                            key
+                            for (record, _), new in zip(records, fresh, strict=True)
+                            for key in self._arrived(record, new)
+                        ]
+                        credit = _precount.grant(self._state, keys)
+                        if credit is not None:  # pending until the lazy records are on disk
                             credit.ticket = self._last_accept
+                    for _, decision in records:
+                        self._filter.adopt(decision)
                     for verdict, n in trial.counts.items():
                         self._filter.counts[verdict] += n
                     if records:
@@ -326,14 +332,14 @@ class Cursor:
         for frame, message in items:
             decision = trial.offer(frame)
             if decision.verdict.accepts:
-                trial.accepted(decision)
+                trial.adopt(decision)
                 records.append((self._accept_record(message, decision, ahead), decision))
         return records, trial
 
     def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
         """Judge a batch of frames in arrival order, persist every accepted message with its
-        stream's filter state, the last record forced (the journal writes in order, so one fsync
-        covers the batch), then adopt; return one acknowledgment per stream touched. What a
+        stream's filter state in one forced group of records (one fsync, and one journal queue
+        entry, for the batch), then adopt; return one acknowledgment per stream touched. What a
         transfer reads off the wire in one go costs one fsync, not one per message.
 
         Every message is checked (`check_message`) before a record is written, so an
@@ -393,17 +399,15 @@ class Cursor:
         once durable, because adopting it advances the stream's filter, and a filter ahead of
         the disk would re-acknowledge, as duplicates, resends of messages the cursor never
         wrote."""
-        durable = [i for i, (r, _) in enumerate(records) if not r["q"].endswith(VOLATILE_SUFFIX)]
-        last_forced = durable[-1] if durable else -1
+        force = any(not r["q"].endswith(VOLATILE_SUFFIX) for r, _ in records)
         self._gate.enter_shared()
         try:
-            for i, (record, _) in enumerate(records):
-                self._write(record, force=i == last_forced)
+            self._write_many([record for record, _ in records], force)  # one group, in order
             with self._lock:
                 keys: list[str] = []
                 for record, decision in records:
                     keys += self._apply_arrival(record)
-                    self._filter.accepted(decision)
+                    self._filter.adopt(decision)
                 credit = _precount.grant(self._state, keys)  # durable: written above
                 if credit is not None:
                     credit.durable = True
@@ -1016,6 +1020,16 @@ class Cursor:
         self._state.apply(record)
         return ticket
 
+    def _submit_many_locked(self, records: list[dict[str, Any]]) -> Ticket:
+        """`_submit_locked` of a lazy batch: queued as one entry, then applied in order."""
+        try:
+            ticket = self._journal.submit_many([encode(r) for r in records], False)
+        except LogWriteError as exc:
+            raise self._located(exc) from exc
+        for record in records:
+            self._state.apply(record)
+        return ticket
+
     def _wait(self, ticket: Ticket) -> None:
         try:
             self._journal.wait(ticket)
@@ -1024,9 +1038,9 @@ class Cursor:
         if ticket.forced:
             self._lazy.settle()  # the lazy commit records this force carried
 
-    def _write(self, record: dict[str, Any], force: bool) -> None:
+    def _write_many(self, records: list[dict[str, Any]], force: bool) -> None:
         try:
-            self._journal.append(encode(record), force)
+            self._journal.append_many([encode(r) for r in records], force)
         except LogWriteError as exc:
             raise self._located(exc) from exc
         if force:

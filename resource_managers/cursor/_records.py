@@ -50,13 +50,9 @@ import json
 from typing import Any
 
 from coordinator.errors import LogCorruptionError
-from resource_managers.message_log._records import DLQ_SUFFIX, message_obj, to_message
+from resource_managers.message_log._records import DLQ_SUFFIX, encode, message_obj, to_message
 
 __all__ = ["DLQ_SUFFIX", "decode", "encode", "message_obj", "to_message"]
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
 def decode(payload: bytes) -> dict[str, Any]:

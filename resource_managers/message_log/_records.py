@@ -96,23 +96,47 @@ class Message:
 # -- records -----------------------------------------------------------------------------------
 
 
+class _MessageObj(dict[str, Any]):
+    """A record's message object that still knows the `Message` it was made from, so a store
+    applying its own record (`to_message`) takes that value back instead of decoding base64
+    and checking again what `check_message` checked before the record was written. A record
+    read from disk holds plain dicts and takes the full path."""
+
+    __slots__ = ("message",)
+    message: Message
+
+
 def message_obj(m: Message) -> dict[str, Any]:
     """``p`` is written only for a non-persistent message (the cursor keeps those too), so
     records of persistent ones are unchanged and old journals still read."""
-    obj = {
+    obj = _MessageObj({
         "i": m.message_id,
         "d": m.destination,
         "h": m.headers,
         "b": base64.b64encode(m.body).decode("ascii"),
         "x": m.expires_at,
-    }
+    })  # fmt: skip
     if not m.persistent:
         obj["p"] = False
+    obj.message = m
     return obj
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
+# json.dumps with these options builds an encoder per call, and a store writes a record per
+# message: build the C encoder once (what JSONEncoder.encode uses), the Python one if absent.
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE = None
+if _c_make_encoder is not None:  # arguments as JSONEncoder.iterencode passes them
+    _ascii = json.encoder.encode_basestring_ascii
+    _C_ENCODE = _c_make_encoder(None, _JSON.default, _ascii, None, ":", ",", False, False, True)
+
+
 def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    """A record as compact ASCII JSON: ``json.dumps(obj, separators=(",", ":"))``'s bytes."""
+    if _C_ENCODE is None:
+        return _JSON.encode(obj).encode("ascii")
+    return "".join(_C_ENCODE(obj, 0)).encode("ascii")
 
 
 def decode(payload: bytes) -> dict[str, Any]:
@@ -132,6 +156,8 @@ def decode(payload: bytes) -> dict[str, Any]:
 
 
 def to_message(obj: object) -> Message:
+    if type(obj) is _MessageObj:
+        return obj.message
     if not isinstance(obj, dict):
         raise TypeError("message is not an object")
     headers = obj["h"]

@@ -12,12 +12,12 @@ Every refusal is an `InvalidMessageError`.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import cast
 
 from coordinator.errors import ProgrammingError
 
+from ._ids import new_id
 from ._records import (
     ADMIN_QUEUE_HEADER,
     DLQ_SUFFIX,
@@ -83,9 +83,29 @@ def _check_reserved(headers: Mapping[str, str]) -> None:
             raise InvalidMessageError(f"header {key!r} must be 1-200 characters")
 
 
+#: set on a `Message` that passed `check_message`: its size, so a later check (a store's, after
+#: the entry path's) only compares that with its limit. A `Message` is frozen and the entry paths
+#: build its headers as their own copy, so what passed once still holds.
+_CHECKED_SIZE = "_twopc_checked_size"
+
+
 def check_message(message: Message, *, max_bytes: int | None = None) -> Message:
     """``message`` if it is one a producer could have sent (and, with ``max_bytes``, within that
-    size); else `InvalidMessageError`. The check every entry path and both stores share."""
+    size); else `InvalidMessageError`. The check every entry path and both stores share; a
+    message checked before is judged by its recorded size only (see `_CHECKED_SIZE`)."""
+    size = message.__dict__.get(_CHECKED_SIZE) if type(message) is Message else None
+    if size is None:
+        size = _check_fields(message)
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidMessageError(
+            f"message of {size} bytes (body and headers) exceeds the limit of "
+            f"{max_bytes}; nothing was staged"
+        )
+    return message
+
+
+def _check_fields(message: Message) -> int:
+    """Every rule but the size limit; the message's size, recorded on it (`_CHECKED_SIZE`)."""
     mid = message.message_id
     if not (
         isinstance(mid, str)
@@ -105,12 +125,10 @@ def check_message(message: Message, *, max_bytes: int | None = None) -> Message:
     expires = message.expires_at
     if expires is not None and (type(expires) is not int or expires < 0):
         raise InvalidMessageError(f"expiry must be a non-negative integer (ms), not {expires!r}")
-    if max_bytes is not None and message.size > max_bytes:
-        raise InvalidMessageError(
-            f"message of {message.size} bytes (body and headers) exceeds the limit of "
-            f"{max_bytes}; nothing was staged"
-        )
-    return message
+    size = message.size
+    if type(message) is Message:
+        object.__setattr__(message, _CHECKED_SIZE, size)  # frozen: the one write, after checks
+    return size
 
 
 def _check_destination(destination: object) -> str:
@@ -151,7 +169,7 @@ def new_message(
     if headers is not None and not isinstance(headers, Mapping):
         raise InvalidMessageError(f"headers must be a mapping, not {type(headers).__name__}")
     message = Message(
-        uuid.uuid4().hex,
+        new_id(),
         cast(str, destination),  # checked below, with everything else
         bytes(body),
         dict(headers or {}),
@@ -195,7 +213,7 @@ def outgoing(
     if publisher is not None:
         merged[PUBLISHER_HEADER] = publisher
     if len(destinations) > 1:
-        merged[LIST_HEADER] = uuid.uuid4().hex
+        merged[LIST_HEADER] = new_id()
     return [
         new_message(
             destination,

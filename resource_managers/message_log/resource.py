@@ -23,6 +23,7 @@ Crash points: ``mlog.<name>.after_prepare`` (the ``P`` record is durable, the vo
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,7 @@ class StagingBranch:
     def __init__(self, xid: Xid) -> None:
         self.xid = xid
         self.messages: list[Message] = []
+        self.staged: Counter[str] = Counter()  # destination -> messages in ``messages``
         self.closed = False
         self.doomed: str | None = None
 
@@ -150,11 +152,15 @@ class StagingBranch:
             priority=priority, admin_queue=admin_queue, transactional=transactional,
             publisher=publisher, now_ms=self._now_ms(), max_bytes=self._max_bytes(),
         )  # fmt: skip
-        for message in messages:
-            staged = sum(1 for m in self.messages if m.destination == message.destination)
-            self._check_room(message.destination, staged + 1)
-        self.messages += messages
+        for message in messages:  # a list's destinations differ: one more each
+            self._check_room(message.destination, self.staged[message.destination] + 1)
+        self.add(messages)
         return [m.message_id for m in messages]
+
+    def add(self, messages: list[Message]) -> None:
+        """Stage checked messages (the count per destination kept, not recounted per send)."""
+        self.messages += messages
+        self.staged.update(m.destination for m in messages)
 
 
 class ProducerBranch(StagingBranch):

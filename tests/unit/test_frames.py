@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import math
 import pickle
@@ -48,6 +49,10 @@ from messaging.frames import (
     Welcome,
     XaReply,
     XaRequest,
+    _decode_generic,
+    _decode_msg,
+    _encode_generic,
+    _encode_msg,
     decode,
     decode_value,
     encode,
@@ -244,6 +249,55 @@ frames = st.sampled_from(EXAMPLES) | messages
 @given(messages)
 def test_any_message_round_trips(msg: Msg) -> None:
     assert decode(encode(msg)) == msg
+
+
+text_messages = messages.map(lambda m: dataclasses.replace(m, headers={
+    k: str(v) for k, v in m.headers.items()}))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages | text_messages)
+def test_the_msg_fast_path_writes_the_generic_encoding_byte_for_byte(msg: Msg) -> None:
+    """The transfer's MSG frames are written field by field (`_encode_msg`): what goes on the
+    wire must be what the schema walk writes, or the doc and old peers would disagree."""
+    fast = _encode_msg(msg)
+    generic = _encode_generic(msg)
+    assert fast is None or fast == generic
+    if all(type(v) is str for v in msg.headers.values()) and not any(
+        0xD800 <= ord(c) <= 0xDFFF for t in (msg.stream, msg.message_id, msg.destination,
+                                              *msg.headers, *msg.headers.values()) for c in t
+    ):  # fmt: skip
+        assert fast is not None  # the everyday message takes the fast path
+
+
+def _generic_or_error(payload: bytes) -> Frame | str:
+    try:
+        return _decode_generic(FrameType.MSG, payload)
+    except FrameError as exc:
+        return f"refused: {exc}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages | text_messages, st.data())
+def test_the_msg_fast_reader_accepts_only_what_the_generic_one_does(
+    msg: Msg, data: st.DataObject
+) -> None:
+    """`_decode_msg` reads the everyday layout or declines (None); a payload it reads, however
+    damaged, must give the frame the generic reader gives, never one the generic reader refuses."""
+    payload = bytes(_encode_generic(msg)[HEADER_SIZE:])
+    fast = _decode_msg(memoryview(payload))
+    assert fast is None or fast == msg
+    if _encode_msg(msg) is not None:
+        assert fast == msg
+    damaged = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(damaged) - 1))
+        damaged[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(damaged)))
+    for candidate in (bytes(damaged), payload[:cut], payload + b"\x00"):
+        fast = _decode_msg(memoryview(candidate))
+        if fast is not None:
+            assert fast == _generic_or_error(candidate)
 
 
 # -- encoding misuse is the caller's bug, not a bad frame ------------------------------------------
@@ -571,3 +625,34 @@ def test_every_truncation_is_truncated(frame: Frame, data: st.DataObject) -> Non
         with pytest.raises(FrameError) as caught:
             attempt()
         assert caught.value.what == "truncated"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("read_ahead", [0, 20, 64 * 1024])
+def test_a_reading_ahead_reader_returns_the_same_frames_and_keeps_a_partial_one(
+    read_ahead: int,
+) -> None:
+    """A `Connection`'s reader reads ahead: several frames per system call, what it holds shown
+    by `pending` (``select`` cannot see it), a frame cut by a timeout finished by the next read,
+    a frame larger than the buffer read straight into place, and a clean close still None."""
+    a, b = socket.socketpair()
+    with a, b:
+        frames = [Ping(1), Msg("s", 1, 1, 0, "m1", "q", b"x" * 100), Ping(2)]
+        big = Msg("s", 1, 2, 1, "m2", "q", bytes(range(256)) * 300)
+        data = b"".join(encode(f) for f in [*frames, big])
+        last = encode(Pong(3))
+        a.sendall(data + last[:5])
+        reader = FrameReader(b, read_ahead=read_ahead)
+        assert [reader.read() for _ in range(4)] == [*frames, big]
+        b.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            reader.read()
+        b.settimeout(None)
+        a.sendall(last[5:])
+        assert reader.read() == Pong(3)
+        assert reader.pending() == 0
+        a.sendall(encode(Ping(4)) + encode(Ping(5)))
+        assert reader.read() == Ping(4)
+        assert (reader.pending() > 0) == (read_ahead > 0)  # part of Ping(5), read with Ping(4)
+        assert reader.read() == Ping(5)
+        a.close()
+        assert reader.read() is None

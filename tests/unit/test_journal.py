@@ -80,6 +80,28 @@ def test_durability_records_replay_in_order_after_reopen(tmp_path: Path) -> None
     assert replayed(tmp_path) == [b"one", b"two", b"three"]
 
 
+def test_append_many_writes_a_batch_in_order_in_one_group(tmp_path: Path) -> None:
+    """A store's batch (the cursor's M records) is one queue entry: the records replay one by
+    one and in order, are counted as before (lazy ones and a forced last), cost one fsync, and a
+    record over the limit queues none of them."""
+    with Journal(tmp_path, max_record_bytes=10) as journal:
+        journal.append(b"zero")
+        before = journal.stats()
+        journal.append_many([b"one", b"two", b"three"])
+        journal.append_many([b"four"], force=False)
+        journal.append_many([])
+        after = journal.stats()
+        assert after.forced_records - before.forced_records == 1
+        assert after.lazy_records - before.lazy_records == 3
+        assert after.fsyncs - before.fsyncs == 1
+        with pytest.raises(LogWriteError):
+            journal.append_many([b"five", b"x" * 11])
+        ticket = journal.submit_many([b"six", b"seven"], force=False)  # the two-halves form
+        journal.wait(ticket)
+        assert journal.stats().lazy_records - after.lazy_records == 2
+    assert replayed(tmp_path) == [b"zero", b"one", b"two", b"three", b"four", b"six", b"seven"]
+
+
 def test_submit_then_wait_keeps_the_callers_order_under_concurrency(tmp_path: Path) -> None:
     """A caller that queues under its own lock and applies under the same lock sees records in
     the order a replay will, while the fsyncs are still shared by the group commit."""

@@ -264,9 +264,11 @@ def test_an_order_ack_compacts_everything_up_to_and_including_it() -> None:
 
 def test_an_ack_of_an_expired_number_is_valid_and_compacts_below_it() -> None:
     """Seed 004: the receiver accepted m2 before it expired here; its ack still covers m1."""
-    s = committed(3)
+    s = sender()
+    s.commit("m1")
+    s.commit("m2", expires_at=1.0)
+    s.commit("m3")
     s.due_for_resend(0.0)
-    s._window[2].expires_at = 1.0
     s.expire(1.0)
     assert s.on_ack(1, 2).acknowledged == ((1, "m1"),)
     assert s.window == (3,)
@@ -322,8 +324,8 @@ def test_a_new_epoch_restarts_the_stream_at_one_with_previous_zero() -> None:
 def test_the_sender_state_round_trips_and_resends_its_whole_window() -> None:
     """Seed 004: numbers once given never change, so a restored sender resends the same numbers
     at once; it treats every pending message as maybe sent."""
-    s = committed(4)
-    s._window[4].expires_at = 9.0
+    s = committed(3)
+    s.commit("m4", expires_at=9.0)
     s.due_for_resend(0.0)
     s.on_ack(1, 1)
     back = StreamSender.from_dict(s.to_dict())
@@ -331,8 +333,9 @@ def test_the_sender_state_round_trips_and_resends_its_whole_window() -> None:
     assert back.highest_sent == 4
     assert links(back.due_for_resend(0.0)) == [(2, 0), (3, 2), (4, 3)]
     assert back.on_ack(1, 4).verdict is AckVerdict.ADVANCED
-    again = StreamSender.from_dict(committed(2).to_dict())
-    again._window[2].expires_at = 1.0
+    state = committed(2).to_dict()
+    state["pending"][1][2] = 1.0  # m2's deadline
+    again = StreamSender.from_dict(state)
     assert [e.may_have_been_sent for e in again.expire(1.0)] == [True]
 
 
@@ -541,3 +544,15 @@ def test_a_withdrawn_message_leaves_the_stream_and_its_sent_successor_is_due_rel
     assert s.withdraw(2) and not s.withdraw(2)
     assert s.window == (1, 3)
     assert links(s.due_for_resend(0.0)) == [(3, 1)]  # due at once, not after its back-off
+
+
+def test_a_full_window_waits_for_an_acknowledgment_not_a_timer() -> None:
+    """Seed 000's window limit: with ``max_in_flight`` unacknowledged, the unsent messages are
+    not due, so a transfer loop sleeps until an ack (or a resend timer) instead of spinning."""
+    s = committed(3)
+    assert links(s.due_for_resend(0.0, max_in_flight=2)) == [(1, 0), (2, 1)]
+    assert s.next_wakeup() == -math.inf
+    assert s.next_wakeup(max_in_flight=2) == 1.0
+    s.on_ack(1, 1)
+    assert s.next_wakeup(max_in_flight=2) == -math.inf
+    assert links(s.due_for_resend(0.5, max_in_flight=2)) == [(3, 2)]
