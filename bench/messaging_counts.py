@@ -316,7 +316,10 @@ def _table(
 
 ROWS = (
     ("producer", "message log", "forced_records"),
+    ("producer", "message log", "fsyncs"),
+    ("producer", "message log", "lazy_records"),
     ("producer", "decision log", "forced_records"),
+    ("producer", "decision log", "fsyncs"),
     ("producer", "decision log", "lazy_records"),
     ("producer", "PostgreSQL", "prepare"),
     ("producer", "PostgreSQL", "commit_prepared"),
@@ -324,11 +327,17 @@ ROWS = (
     ("producer", "PostgreSQL", "wal_fsyncs"),
     ("producer", "PostgreSQL", "round_trips"),
     ("transfer", "cursor", "forced_records"),
+    ("transfer", "cursor", "fsyncs"),
+    ("transfer", "cursor", "lazy_records"),
     ("transfer", "message log", "forced_records"),
+    ("transfer", "message log", "fsyncs"),
     ("transfer", "message log", "lazy_records"),
     ("transfer", "wire", "round_trips"),
     ("consumer", "cursor", "forced_records"),
+    ("consumer", "cursor", "fsyncs"),
+    ("consumer", "cursor", "lazy_records"),
     ("consumer", "decision log", "forced_records"),
+    ("consumer", "decision log", "fsyncs"),
     ("consumer", "decision log", "lazy_records"),
     ("consumer", "PostgreSQL", "prepare"),
     ("consumer", "PostgreSQL", "commit_prepared"),
@@ -349,6 +358,18 @@ def side_totals(result: dict[str, Any], side: str) -> tuple[float, float]:
     return forced, trips
 
 
+def side_fsyncs(result: dict[str, Any], side: str) -> float:
+    """The stores' fsyncs per message on ``side`` plus PostgreSQL's forced statements: the disk
+    cost once records are lazy (a lazy record's own fsync is not a forced record). An fsync
+    counts in the step during which it happened: a lazy record nothing carried within its delay
+    is flushed on its own during the next step."""
+    total = 0.0
+    for fields in result[side].values():
+        total += fields.get("fsyncs", 0.0)
+        total += sum(v for k, v in fields.items() if k in FORCED - {"forced_records"})
+    return total
+
+
 def print_table(results: dict[str, dict[str, Any]], messages: int) -> None:
     modes = list(results)
     print(f"per message, 1 msg/txn, {messages} messages after warm-up")
@@ -361,6 +382,8 @@ def print_table(results: dict[str, dict[str, Any]], messages: int) -> None:
         forced = " ".join(f"{side_totals(results[m], side)[0]:>14.2f}" for m in modes)
         trips = " ".join(f"{side_totals(results[m], side)[1]:>14.2f}" for m in modes)
         print(f"{side:<9} {'total':<13} {'forced records':<16} {forced}")
+        syncs = " ".join(f"{side_fsyncs(results[m], side):>14.2f}" for m in modes)
+        print(f"{side:<9} {'total':<13} {'fsyncs':<16} {syncs}")
         print(f"{side:<9} {'total':<13} {'round trips':<16} {trips}")
     print(
         "\ncrash points of each step (mlog, cursor: the resources' names; N: the branch's index):"
@@ -371,12 +394,17 @@ def print_table(results: dict[str, dict[str, Any]], messages: int) -> None:
     for m in modes:
         forced = sum(side_totals(results[m], s)[0] for s in SIDES)
         trips = sum(side_totals(results[m], s)[1] for s in SIDES)
-        print(f"{m}: {forced:.2f} forced records and {trips:.2f} round trips per message")
+        syncs = sum(side_fsyncs(results[m], s) for s in SIDES)
+        print(f"{m}: {forced:.2f} forced records, {syncs:.2f} fsyncs and {trips:.2f} round trips "
+              "per message")  # fmt: skip
     print(
         "forced records: the stores' forced_records, plus PostgreSQL COMMIT / PREPARE "
         "TRANSACTION / COMMIT PREPARED statements\n(each a WAL flush; wal_fsyncs is the "
-        "server's own count, whole cluster); round trips: request bursts through a counting\n"
-        "proxy (PostgreSQL wire; the log-to-cursor transfer's connection)."
+        "server's own count, whole cluster); fsyncs: the stores' fsyncs plus those statements\n"
+        "(lazy records flushed on their own count here, in the step during which the flush "
+        "happened: one message at a time,\nnothing else's forced record carries them); round "
+        "trips: request bursts through a counting proxy (PostgreSQL wire;\nthe log-to-cursor "
+        "transfer's connection)."
     )
 
 
