@@ -33,6 +33,7 @@ durable, and until then the gid is listed as prepared (`coordinator.lazy_commit`
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -122,6 +123,14 @@ class Delivery:
     delivery_count: int
     queue: str
     reason: str | None = None
+
+    def __post_init__(self) -> None:
+        # The cursor keeps the message it hands out: the consumer gets its own headers, so a
+        # handler that changes them cannot change what a rollback brings back or what a
+        # rollover writes (records are checked when written, not when carried).
+        if self.message.headers:
+            message = dataclasses.replace(self.message, headers=dict(self.message.headers))
+            object.__setattr__(self, "message", message)
 
     @property
     def redelivered(self) -> bool:

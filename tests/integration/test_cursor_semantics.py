@@ -338,3 +338,25 @@ def test_a_shared_non_durable_subscription_lives_until_its_last_subscriber_detac
     assert [s.connected for s in cursor.subscriptions()] == [True]
     cursor.detach(TOPIC, "shared")
     assert cursor.subscriptions() == []
+
+
+def test_a_handler_changing_headers_changes_nothing_in_the_cursor(tmp_path: Path) -> None:
+    """The cursor keeps the message it hands out: a consumer's changes to a delivery's headers
+    reach neither a redelivery nor what a rollover writes."""
+    from resource_managers.cursor import Cursor as _Cursor
+    from resource_managers.message_log import Message as _Message
+    from resource_managers.sequencing import Frame as _Frame
+
+    with _Cursor(tmp_path / "c", segment_bytes=4096) as cursor:
+        m = _Message("m-1", "orders", b"x", {"k": "v"})
+        cursor.deliver(_Frame("orders", 7, 1, 0, m.message_id), m)
+        got = cursor.take("g-1", "orders")
+        assert got is not None
+        got.headers["k"] = "changed"
+        got.headers["extra"] = "1"
+        cursor.rollback("g-1")
+        again = cursor.take("g-2", "orders")
+        assert again is not None and again.headers == {"k": "v"}
+    with _Cursor(tmp_path / "c") as reopened:
+        [left] = reopened.available("orders")
+        assert left.headers == {"k": "v"}
