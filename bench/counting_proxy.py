@@ -27,7 +27,8 @@ import socket
 import struct
 import threading
 from collections import Counter
-from types import TracebackType
+
+from loopback_proxy import LoopbackProxy  # type: ignore[import-not-found]
 
 _CHUNK = 64 * 1024
 _SSL_REQUEST, _GSS_REQUEST = 80877103, 80877104
@@ -84,26 +85,17 @@ class _FrontendParser:
                 self.counts.update(classify(sql.decode(errors="replace")))
 
 
-class CountingProxy:
+class CountingProxy(LoopbackProxy):
     """Listens on 127.0.0.1 (``address``), forwards to ``upstream``, counts in `counts`:
     ``round_trips``, ``connections``, ``client_bytes``, ``server_bytes`` and, with ``postgres``,
     the statement kinds of `classify`."""
 
     def __init__(self, upstream: tuple[str, int], *, postgres: bool = False) -> None:
-        self.upstream = upstream
+        super().__init__(upstream)
         self.postgres = postgres
         self.counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
         self._open = threading.Event()
         self._open.set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._closing = threading.Event()
-        self._sockets: list[socket.socket] = []
-
-    def start(self) -> CountingProxy:
-        threading.Thread(target=self._accept, name="counting-proxy-accept", daemon=True).start()
-        return self
 
     def snapshot(self) -> Counter[str]:
         with self._lock:
@@ -117,50 +109,19 @@ class CountingProxy:
         self._open.set()
 
     def close(self) -> None:
-        self._closing.set()
-        self._open.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+        self._open.set()  # a held client thread must see the close
+        super().close()
+
+    def _connected(self, client: socket.socket, server: socket.socket) -> None:
         with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.close()
-
-    def __enter__(self) -> CountingProxy:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _accept(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.upstream)
-            except OSError:
-                client.close()
-                continue
-            for sock in (client, server):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._sockets += [client, server]
-                self.counts["connections"] += 1
-            last = ["server"]  # who spoke last on this connection
-            parser = _FrontendParser(self.counts) if self.postgres else None
-            for args in (
-                (client, server, "client", last, parser),
-                (server, client, "server", last, None),
-            ):
-                threading.Thread(target=self._pipe, args=args, daemon=True).start()
+            self.counts["connections"] += 1
+        last = ["server"]  # who spoke last on this connection
+        parser = _FrontendParser(self.counts) if self.postgres else None
+        for args in (
+            (client, server, "client", last, parser),
+            (server, client, "server", last, None),
+        ):
+            threading.Thread(target=self._pipe, args=args, daemon=True).start()
 
     def _pipe(
         self,

@@ -12,71 +12,27 @@ Standard library only; threads and blocking sockets; for benchmarks, not for tes
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import socket
 import threading
 import time
-from types import TracebackType
+
+from loopback_proxy import LoopbackProxy  # type: ignore[import-not-found]
 
 _CHUNK = 64 * 1024
 
 
-class DelayProxy:
+class DelayProxy(LoopbackProxy):
     """Listens on 127.0.0.1 (``address``) and forwards to ``upstream`` with ``delay_ms`` each
     way."""
 
     def __init__(self, upstream: tuple[str, int], delay_ms: float) -> None:
-        self.upstream = upstream
+        super().__init__(upstream)
         self.delay = delay_ms / 1000.0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._closing = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
 
-    def start(self) -> DelayProxy:
-        threading.Thread(target=self._accept, name="delay-proxy-accept", daemon=True).start()
-        return self
-
-    def close(self) -> None:
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.close()
-
-    def __enter__(self) -> DelayProxy:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _accept(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.upstream)
-            except OSError:
-                client.close()
-                continue
-            for sock in (client, server):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._sockets += [client, server]
-            self._pipe(client, server)
-            self._pipe(server, client)
+    def _connected(self, client: socket.socket, server: socket.socket) -> None:
+        self._pipe(client, server)
+        self._pipe(server, client)
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         due: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
