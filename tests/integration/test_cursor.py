@@ -42,6 +42,7 @@ from resource_managers.postgres import PostgresResource
 from resource_managers.sequencing import Ack, Frame, Verdict
 from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
+from tests.support.scripts import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -461,14 +462,8 @@ CONSUMER_KILLS = [
 def consumer_worker(
     mode: str, url: str, tmp: Path, flags: tuple[str, ...], crash_at: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "TWOPC_CRASH_AT"}
-    if crash_at:
-        env["TWOPC_CRASH_AT"] = crash_at
     argv = ["--db", url, "--log", str(tmp / "dlog"), "--cursor", str(tmp / "cursor"), *flags]
-    return subprocess.run(
-        [sys.executable, str(CONSUMER_WORKER), mode, *argv, "--count", "5"],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    return run_script(CONSUMER_WORKER, [mode, *argv, "--count", "5"], crash_at=crash_at)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from resource_managers.message_log import (
 from resource_managers.postgres import PostgresResource
 from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
+from tests.support.scripts import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -369,14 +370,10 @@ def worker(
     start: int = 0,
     flags: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "TWOPC_CRASH_AT"}
-    if crash_at:
-        env["TWOPC_CRASH_AT"] = crash_at
     argv = ["--db", url, "--log", str(tmp / "dlog"), "--mlog", str(tmp / "mlog"), *flags]
-    return subprocess.run(
-        [sys.executable, str(WORKER), mode, *argv, "--count", "5", "--start", str(start)],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    return run_script(
+        WORKER, [mode, *argv, "--count", "5", "--start", str(start)], crash_at=crash_at
+    )
 
 
 LLR = ("--llr",)
