@@ -40,8 +40,8 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -284,26 +284,12 @@ class Cursor:
         waits likewise for every accepted record before it, since the filter it reports may be
         ahead of the disk. ``send`` may run on another thread; if a record's write fails it
         never runs (the journal refuses writes from then on)."""
-        self._check_batch(items)
-        streams = sorted({frame.stream for frame, _ in items})
-        with ExitStack() as stack:
-            for stream in streams:
-                stack.enter_context(self._stream_lock(stream))
-            records, trial = self._trial(items, streams)
+        with self._judged(items) as (streams, records, trial):
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    if records:  # one queue entry for the batch, in order
-                        fresh = [self._fresh_arrival(r) for r, _ in records]
-                        self._last_accept = self._submit_many_locked([r for r, _ in records])
-                        keys = [
-                            key
-                            for (record, _), new in zip(records, fresh, strict=True)
-                            for key in self._arrived(record, new)
-                        ]
-                        credit = _precount.grant(self._state, keys)
-                        if credit is not None:  # pending until the lazy records are on disk
-                            credit.ticket = self._last_accept
+                    if records:
+                        self._queue_arrivals_locked([r for r, _ in records])
                     for _, decision in records:
                         self._filter.adopt(decision)
                     for verdict, n in trial.counts.items():
@@ -320,6 +306,34 @@ class Cursor:
             self._lazy.watch(ticket, lambda: send(acks))
             self._lazy.settle()
         self._compaction.maybe()
+
+    def _queue_arrivals_locked(self, records: list[dict[str, Any]]) -> None:
+        """Under the lock: queue a batch's ``M`` records unforced, as one journal entry in
+        order, apply them, and grant the pre-counts they carry (pending until it is on disk)."""
+        fresh = [self._fresh_arrival(r) for r in records]
+        self._last_accept = self._submit_many_locked(records)
+        keys = [
+            key for record, new in zip(records, fresh, strict=True)
+            for key in self._arrived(record, new)
+        ]  # fmt: skip
+        credit = _precount.grant(self._state, keys)
+        if credit is not None:
+            credit.ticket = self._last_accept
+
+    @contextmanager
+    def _judged(
+        self, items: Sequence[tuple[Frame, Message]]
+    ) -> Iterator[tuple[list[str], list[tuple[dict[str, Any], Decision]], StreamFilter]]:
+        """Check every message, hold the locks of the batch's streams, judge the batch (`_trial`):
+        the streams, the accepted ones' ``M`` records and the trial filter, for as long as the
+        caller writes and adopts them."""
+        self._check_batch(items)
+        streams = sorted({frame.stream for frame, _ in items})
+        with ExitStack() as stack:
+            for stream in streams:
+                stack.enter_context(self._stream_lock(stream))
+            records, trial = self._trial(items, streams)
+            yield streams, records, trial
 
     def _check_batch(self, items: Sequence[tuple[Frame, Message]]) -> None:
         for frame, message in items:  # the whole batch is judged before a record is written
@@ -355,12 +369,7 @@ class Cursor:
         `InvalidMessageError` writes nothing. A record that fails to write leaves the batch
         unadopted and unacknowledged; the journal is then poisoned (nothing more is written),
         so no later record can contradict it."""
-        self._check_batch(items)
-        streams = sorted({frame.stream for frame, _ in items})
-        with ExitStack() as stack:
-            for stream in streams:
-                stack.enter_context(self._stream_lock(stream))
-            records, trial = self._trial(items, streams)
+        with self._judged(items) as (streams, records, trial):
             if records:
                 self._persist_batch(records)
             with self._lock:
