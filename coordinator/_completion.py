@@ -459,12 +459,12 @@ def _phase_two(
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
-        if latch is None:
+        if latch is None:  # the common path: no closure made
             if end is None:
                 write_end(tx.runtime.log, tx.gtrid)
             else:
                 end()
-        elif not latch.arm(end or functools.partial(_end_record, tx.runtime.log, tx.gtrid)):
+        elif not latch.arm(end or functools.partial(write_end, tx.runtime.log, tx.gtrid)):
             crash_point("tm.end_deferred")  # a lazy commit record is not durable yet
     _finish(tx, TxState.COMMITTED, outcome)
     if outcome.is_heuristic:
@@ -515,10 +515,6 @@ def record_heuristic(log_: DecisionLog, gtrid: str, branch: str, outcome: Outcom
         log_.log_heuristic(HeuristicRecord(gtrid, branch, outcome.value, "", time.time()))
     except (LogError, FencedError) as exc:
         log.critical("heuristic %s of %s/%s NOT recorded: %r", outcome.value, gtrid, branch, exc)
-
-
-def _end_record(log_: DecisionLog, gtrid: str) -> None:
-    write_end(log_, gtrid)
 
 
 def write_end(log_: DecisionLog, gtrid: str) -> bool:

@@ -65,7 +65,7 @@ class EndLatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending = 0
-        self._end: Callable[[], None] | None = None
+        self._end: Callable[[], object] | None = None
 
     def hold(self) -> Callable[[], None]:
         """One branch's ``on_durable``: call it once."""
@@ -83,7 +83,7 @@ class EndLatch:
             crash_point("tm.before_deferred_end")
             end()
 
-    def arm(self, end: Callable[[], None]) -> bool:
+    def arm(self, end: Callable[[], object]) -> bool:
         """Run ``end`` now if nothing is pending (True), else when the last branch is durable."""
         with self._lock:
             if self._pending:
