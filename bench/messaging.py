@@ -286,19 +286,14 @@ def run_twopc(mode: str, dsns: tuple[str, str], per_tx: int, messages: int) -> b
         shutil.rmtree(workdir, ignore_errors=True)
     if mode != "log-only":
         outbox.verify(producer_dsn, consumer_dsn, messages)
-    ordered = sorted(latencies)
-    seconds = finished - started
-    return base.PipelineResult(
-        system=MODES[mode],
+    return base.measured(
+        MODES[mode],
         per_tx=per_tx,
         messages=messages,
-        seconds=seconds,
-        msgs_per_s=messages / seconds,
-        p50_ms=base._percentile(ordered, 0.5),
-        p99_ms=base._percentile(ordered, 0.99),
+        times=(started, produced, finished),
+        latencies_ms=latencies,
         duplicates=len(latencies) - messages,
-        produce_seconds=produced - started,
-        mean_consume_batch=len(latencies) / max(1, rounds),
+        batches=rounds,
     )
 
 

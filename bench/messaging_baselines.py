@@ -296,20 +296,44 @@ def _run_pair(run: _Run, producer: Callable[[], None], consumer: Callable[[], No
         raise errors[0]
 
 
-def _result(system: str, run: _Run) -> PipelineResult:
-    seconds = run.finished - run.started
-    ordered = sorted(run.latencies_ms)
+def measured(
+    system: str,
+    *,
+    per_tx: int,
+    messages: int,
+    times: tuple[float, float, float],
+    latencies_ms: list[float],
+    duplicates: int,
+    batches: int,
+) -> PipelineResult:
+    """A row from what a run measured: ``times`` is (started, produced, finished), perf_counter
+    seconds; ``batches`` the consumer's transactions (or fetches)."""
+    started, produced, finished = times
+    seconds = finished - started
+    ordered = sorted(latencies_ms)
     return PipelineResult(
         system=system,
-        per_tx=run.per_tx,
-        messages=run.messages,
+        per_tx=per_tx,
+        messages=messages,
         seconds=seconds,
-        msgs_per_s=run.messages / seconds,
+        msgs_per_s=messages / seconds,
         p50_ms=_percentile(ordered, 0.50),
         p99_ms=_percentile(ordered, 0.99),
+        duplicates=duplicates,
+        produce_seconds=produced - started,
+        mean_consume_batch=len(latencies_ms) / max(1, batches),
+    )
+
+
+def _result(system: str, run: _Run) -> PipelineResult:
+    return measured(
+        system,
+        per_tx=run.per_tx,
+        messages=run.messages,
+        times=(run.started, run.produced, run.finished),
+        latencies_ms=run.latencies_ms,
         duplicates=run.duplicates + run.publish_duplicates,
-        produce_seconds=run.produced - run.started,
-        mean_consume_batch=len(run.latencies_ms) / max(1, run.consume_batches),
+        batches=run.consume_batches,
     )
 
 

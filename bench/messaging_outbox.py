@@ -229,17 +229,12 @@ def run_outbox(
             if proc.is_alive():
                 proc.kill()
     verify(producer_dsn, consumer_dsn, messages)
-    ordered = sorted(latencies)
-    seconds = finished - started
-    return base.PipelineResult(
-        system=OUTBOX,
+    return base.measured(
+        OUTBOX,
         per_tx=per_tx,
         messages=messages,
-        seconds=seconds,
-        msgs_per_s=messages / seconds,
-        p50_ms=base._percentile(ordered, 0.5),
-        p99_ms=base._percentile(ordered, 0.99),
+        times=(started, produced, finished),
+        latencies_ms=latencies,
         duplicates=duplicates,
-        produce_seconds=produced - started,
-        mean_consume_batch=len(latencies) / max(1, rounds),
+        batches=rounds,
     )
