@@ -266,6 +266,8 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     if failure is not None:
         _abort(tx, (*result.commit, last.resource.name), failure)
     crash_point("tm.llr.after_commit")
+    if tx.last_carries:  # the log's own record: END into the log, as after a forced decision
+        return _commit_decided(tx, result.commit)
     resource = _last_resource.as_last(last.resource)
     return _commit_decided(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
 

@@ -64,6 +64,8 @@ class Runtime(Generic[TxT]):
         #: the completion entry points `Transaction.commit` and `Transaction.rollback` call
         self.complete = complete
         self.abort = abort
+        #: names of the resources whose commit can carry the log's own record (`CarryingLog`)
+        self.carriers: set[str] = set()
         self._max_workers = max_workers
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()

@@ -27,6 +27,7 @@ from .errors import (
     ProgrammingError,
     TransientError,
 )
+from .last_resource import CarryingLog
 from .metrics import Metrics
 from .recovery import Recovery, RecoveryReport
 from .resource import Outcome, Resource
@@ -230,6 +231,8 @@ class TransactionManager:
             if known is not None and known is not resource:
                 raise ConfigurationError(f"two different resources are named {name!r}")
             self._resources[name] = resource
+        if isinstance(self.log, CarryingLog) and self.log.carried_by(resource):
+            self._runtime.carriers.add(name)
         gauges = getattr(resource, "gauges", None)
         if callable(gauges):
             # optional: a resource may export its own gauges (PostgreSQL: prepared count and age)

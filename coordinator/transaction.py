@@ -82,6 +82,9 @@ class Transaction:
         self.branches: dict[str, Branch] = {}
         #: the branch of the one last resource that joined (`coordinator.last_resource`), if any
         self.last_branch: Branch | None = None
+        #: ``last_branch`` is not a last resource but the carrier of the decision log's own
+        #: record: a participant in the log's database (`coordinator.last_resource.CarryingLog`)
+        self.last_carries = False
         self.synchronizations: list[Synchronization] = []
         #: set when the caller stopped waiting before the commit point: no decision may follow
         self.caller_gave_up = False
@@ -120,7 +123,7 @@ class Transaction:
                     raise IllegalStateError(f"another resource named {resource.name!r} joined")
                 return branch.handle
             last = is_last_resource(resource)
-            if last and self.last_branch is not None:
+            if last and self.last_branch is not None and not self.last_carries:
                 raise ProgrammingError(
                     f"{resource.name!r} is a last resource and {self.last_branch.resource.name!r} "
                     "already joined as one: a transaction may have at most one last resource"
@@ -129,8 +132,10 @@ class Transaction:
             xid = Xid._checked_parts(self.gtrid, resource.name)
             handle = resource.start(xid)
             branch = self.branches[resource.name] = Branch(resource, xid, handle)
-            if last:
-                self.last_branch = branch
+            if last:  # an explicit last resource takes over from a carrier
+                self.last_branch, self.last_carries = branch, False
+            elif self.last_branch is None and resource.name in self.runtime.carriers:
+                self.last_branch, self.last_carries = branch, True
             return handle
 
     def set_rollback_only(self, reason: str = "application") -> None:

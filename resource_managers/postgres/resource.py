@@ -159,6 +159,7 @@ class PostgresResource:
         self._handle: Handle = handle
         self._session_factory = session_factory or _default_session
         self._begin = "BEGIN"
+        self._isolation = (isolation_level or "READ COMMITTED").upper()
         if isolation_level is not None:
             self._begin += f" ISOLATION LEVEL {isolation_level.upper()}"
         self._hold = hold_prepared
@@ -189,6 +190,11 @@ class PostgresResource:
     @property
     def last_resource(self) -> bool:
         return self._last
+
+    @property
+    def reads_committed(self) -> bool:
+        """Its branches run READ COMMITTED, unless the server's default says otherwise."""
+        return self._isolation == "READ COMMITTED"
 
     def __repr__(self) -> str:
         return f"PostgresResource({self._name!r}, {self.engine.url.render_as_string()!r})"
@@ -484,40 +490,64 @@ class PostgresResource:
 
     def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
         """The branch's data and the decision row in one server commit, one round trip."""
-        branch = self._branch(xid)
         table = self._decision_table()
-        self._flush_for_commit(branch)
         with self._lock:
             ended, self._ended = self._ended, []
         node = xid.node_id or ""
         sql, params = table.commit(decision.gtrid, node, decision.branches, ended)
-        if branch.begin is not None:  # no statement ran yet: the decision row opens the branch
+        try:
+            self.commit_carrying(xid, sql, params, fence=_errors.is_unique_violation)
+        except BaseException:
+            self._requeue(ended)
+            raise
+
+    def commit_carrying(
+        self,
+        xid: Xid,
+        sql: str,
+        params: list[Any],
+        *,
+        fence: Callable[[BaseException], bool],
+        fenced: str = "recovery presumed {gtrid} aborted before its last resource could commit",
+    ) -> None:
+        """Send ``sql`` (a decision record's statements, ending in ``COMMIT``) inside the branch's
+        own transaction: the branch's data and the record in one server commit, one round trip.
+
+        Answers as `LastResource.commit_with_decision`: an error that ``fence`` recognises (the
+        record's own guard refused it) is `FencedError`, with ``fenced`` as its reason.
+        """
+        branch = self._branch(xid)
+        self._flush_for_commit(branch)
+        if branch.begin is not None:  # no statement ran yet: the record opens the branch
             sql, branch.begin = f"{branch.begin}; {sql}", None
         try:
             tag = self._driver.run(branch.dbapi, sql, params)
         except Exception as exc:
-            self._requeue(ended)
-            self._lost_last_commit(branch, exc)
+            self._lost_last_commit(branch, exc, fence, fenced)
         self._discard(branch, broken=False)
         if tag != "COMMIT":  # the transaction had failed: the server rolled it back
-            self._requeue(ended)
             raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
 
-    def _lost_last_commit(self, branch: Branch, exc: Exception) -> NoReturn:
-        """Say what a failed commit-with-decision leaves: unknown, fenced, or rolled back."""
+    def _lost_last_commit(
+        self,
+        branch: Branch,
+        exc: Exception,
+        fence: Callable[[BaseException], bool],
+        fenced: str,
+    ) -> NoReturn:
+        """Say what a failed commit with a decision leaves: unknown, fenced, or rolled back."""
+        gtrid = branch.xid.gtrid
         if _errors.is_unreachable(exc):
             self._discard(branch, broken=True)
             raise OutcomeUnknownError(
-                f"{self._name}: connection lost while committing the last resource with its "
-                f"decision; recovery reads the decision table: {_errors.describe(exc)}",
-                gtrid=branch.xid.gtrid,
+                f"{self._name}: connection lost while committing with the decision of {gtrid}; "
+                f"recovery reads the decision: {_errors.describe(exc)}",
+                gtrid=gtrid,
             ) from exc
         self._end_local(branch)
-        if _errors.is_unique_violation(exc):  # recovery's abort row holds the gtrid
+        if fence(exc):
             raise FencedError(
-                f"{self._name}: recovery presumed {branch.xid.gtrid} aborted before its last "
-                "resource could commit; it rolls back",
-                gtrid=branch.xid.gtrid,
+                f"{self._name}: {fenced.format(gtrid=gtrid)}; it rolls back", gtrid=gtrid
             ) from exc
         raise BranchFailed(
             f"{self._name}: commit with the decision failed: {_errors.describe(exc)}"

@@ -48,10 +48,13 @@ from coordinator.errors import (
     LogError,
     LogLockedError,
     LogWriteError,
+    OutcomeUnknownError,
     TransactionError,
 )
+from coordinator.xid import Xid
 
-from ._errors import describe, unwrap
+from ._errors import describe, sqlstate, unwrap
+from .resource import PostgresResource
 
 log = logging.getLogger("twopc.decision_log.sql")
 
@@ -144,6 +147,23 @@ _FORGET = """WITH {held}, del AS (
 )
 SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM del)"""
 
+# The decision as a participant's commit carries it (`SqlDecisionLog.commit_carried`): the same
+# fenced insert, one row, in the participant's own transaction, then its COMMIT, one message.
+# The aggregate always yields one row, so without a lease of ours ``1 / count(*)`` fails the
+# statement (division_by_zero) and with it the whole transaction: the participant's data can
+# never commit without its decision. FOR SHARE holds until that COMMIT, as for a batch.
+_CARRY = """WITH {held}
+INSERT INTO {decision} (node_id, gtrid, branches, deadline, written_at, epoch)
+SELECT %s, %s, %s, CAST(%s AS double precision), %s, max(held.epoch) * (1 / count(*)) FROM held;
+COMMIT"""
+# Can a participant carry our records? It sees our own lease row (so it is our database), it is
+# not a standby, and it runs READ COMMITTED (FOR SHARE's reasoning, as for the log's own writes).
+_CARRIER = """SELECT NOT pg_is_in_recovery()
+  AND current_setting('transaction_isolation') = 'read committed'
+  AND EXISTS (SELECT 1 FROM {lease} WHERE node_id = %s AND epoch = %s AND owner = %s)"""
+_DIVISION_BY_ZERO = "22012"
+_UNDEFINED_TABLE = "42P01"
+
 _TTL = "clock_timestamp() + make_interval(secs => CAST(:ttl AS double precision))"
 _OURS = "node_id = :node AND epoch = :epoch AND owner = :owner"
 _ACQUIRE = f"""INSERT INTO {{lease}} AS cur (node_id, epoch, owner, expires_at, acquired_at)
@@ -169,6 +189,8 @@ class _Sql:
     batch: TextClause
     heuristic: TextClause
     forget: TextClause
+    carry: str  # driver-level SQL (``%s`` parameters): a participant's connection runs it
+    carrier: str
 
     @classmethod
     def build(cls, engine: Engine, lease: Table, decision: Table, heuristic: Table) -> _Sql:
@@ -178,7 +200,11 @@ class _Sql:
         names["held"] = _HELD.format(**names)
         sql = {"acquire": _ACQUIRE, "holder": _HOLDER, "renew": _RENEW, "release": _RELEASE}
         sql |= {"batch": _BATCH, "heuristic": _HEURISTIC, "forget": _FORGET}
-        return cls(**{key: text(statement.format(**names)) for key, statement in sql.items()})
+        clauses = {key: text(statement.format(**names)) for key, statement in sql.items()}
+        held = _HELD.format(**names).replace(":node", "%s").replace(":epoch", "%s")
+        held = held.replace(":owner", "%s")
+        carry = _CARRY.format(held=held, decision=names["decision"])
+        return cls(**clauses, carry=carry, carrier=_CARRIER.format(**names))
 
 
 @dataclass(frozen=True)
@@ -329,6 +355,8 @@ class SqlDecisionLog:
         self._ends: Counter[str] = Counter()  # queued, not yet written: hidden from pending()
         self._counts = Counter[str]()
         self._fenced: str | None = None
+        #: a carried commit's answer was lost: fence before the next read of the decisions
+        self._fence_due = False
         self._closed = False
         self._valid_until = 0.0
         self._metadata, lease, decision, heuristic = _tables(table_prefix, schema)
@@ -380,8 +408,87 @@ class SqlDecisionLog:
         self._write(self._sql.forget, {"gtrid": gtrid, "branch": branch}, f"FORGET of {gtrid}")
         self._count("forced")
 
+    # -- carried by a participant's commit (coordinator.last_resource.CarryingLog) -------------
+
+    def carried_by(self, resource: object) -> bool:
+        """A `PostgresResource` in this log's database (not a last resource of its own, not on a
+        standby, READ COMMITTED) can carry our COMMIT records in its one-phase commit."""
+        if self._read_only or not isinstance(resource, PostgresResource):
+            return False
+        if resource.last_resource or not resource.reads_committed:
+            return False
+        try:
+            rows = resource._pooled_query(  # same package: the resource's pool, its driver
+                self._sql.carrier, [self.node_id, self._epoch, self._owner]
+            )
+        except Exception as exc:
+            if sqlstate(exc) == _UNDEFINED_TABLE:  # another database: our tables are not there
+                return False
+            log.warning(
+                "%s: cannot tell whether it shares the decision log's database, so its branches "
+                "prepare as usual: %s",
+                resource.name,
+                describe(exc),
+            )
+            return False
+        carries = bool(rows and rows[0][0])
+        if carries:
+            log.info("%s shares the decision log's database: it carries the decisions", resource)
+        return carries
+
+    def commit_carried(self, resource: object, xid: Xid, decision: Decision) -> None:
+        """Insert ``decision`` (lease-fenced) in ``resource``'s branch and commit it, one round
+        trip. A lost answer leaves the next `pending` to fence first: our lease row is written,
+        which waits for every transaction holding it FOR SHARE, so a commit still running on
+        the server has landed (its row visible) or never will before the read."""
+        if not isinstance(resource, PostgresResource):
+            raise TypeError(f"{resource!r} cannot carry decisions of {self._where}")
+        self._check_writable()
+        params = [self.node_id, self._epoch, self._owner]
+        params += [self.node_id, decision.gtrid, json.dumps(list(decision.branches))]
+        params += [decision.deadline, decision.written_at]
+        try:
+            resource.commit_carrying(
+                xid,
+                self._sql.carry,
+                params,
+                fence=lambda exc: sqlstate(exc) == _DIVISION_BY_ZERO,
+                fenced=f"the decision log's lease of node {self.node_id!r} is no longer ours, "
+                "so {gtrid} may not commit",
+            )
+        except OutcomeUnknownError:
+            with self._lock:
+                self._fence_due = True
+            raise
+        self._count("carried")
+
+    def _fence_carried(self) -> None:
+        """Before reading decisions after a carried commit's lost answer: write our lease row.
+
+        The write waits for every transaction that holds the row FOR SHARE (every carried
+        commit does, from its insert to its COMMIT), so when it returns a lost commit has either
+        landed or can never land, and the read that follows is the truth."""
+        with self._lock:
+            due, self._fence_due = self._fence_due, False
+        if not due:
+            return
+        try:
+            self._renew()
+        except BaseException:
+            with self._lock:
+                self._fence_due = True
+            raise
+
     def pending(self) -> list[Decision]:
         """COMMITs of this node by any process or owner, in the order written, minus queued ENDs."""
+        if self._fence_due:
+            try:
+                self._fence_carried()
+            except SQLAlchemyError as exc:
+                raise LogError(
+                    f"cannot fence a carried commit in {self._where} before reading the "
+                    f"decisions: {describe(exc)}"
+                ) from exc
         with self._lock:  # read before the table: an END written meanwhile is gone from both
             ending = set(self._ends)
         t = self._decision
@@ -407,6 +514,7 @@ class SqlDecisionLog:
         with self._lock:
             extra = {"epoch": self._epoch, "batches": self._counts["batches"]}
             extra |= {"fenced": self._fenced is not None, "queued_ends": self._ends.total()}
+            extra["carried"] = self._counts["carried"]
             forced = self._batcher.forced + self._counts["forced"]
             return LogStats(forced, self._batcher.lazy, self._counts["commits"], 0, extra)
 
