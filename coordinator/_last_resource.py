@@ -10,7 +10,7 @@ either no decision (and fences it) or the final state.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .crashpoints import crash_point
 from .decision_log import Decision
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .transaction import Branch, Transaction
 
 
-def as_last(resource: Resource) -> LastResource:
+def as_last(resource: Resource[Any]) -> LastResource:
     if not is_last_resource(resource):  # the transaction only records last resources
         raise TypeError(f"{resource.name!r} is not a last resource")
     return resource

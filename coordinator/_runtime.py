@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .decision_log import DecisionLog
 from .errors import LogWriteError
@@ -40,7 +40,7 @@ class Runtime(Generic[TxT]):
         phase_two_grace: float,
         max_workers: int,
         async_phase_two: bool = False,
-        register: Callable[[Resource], None],
+        register: Callable[[Resource[Any]], None],
         ended: Callable[[TxT], None],
         log_failed: Callable[[LogWriteError], None],
         complete: Callable[[TxT], Outcome],

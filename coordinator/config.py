@@ -57,7 +57,7 @@ class Config:
             raise ConfigurationError(f"log factory {self.log_factory} did not build a DecisionLog")
         return built
 
-    def build_resources(self) -> list[Resource]:
+    def build_resources(self) -> list[Resource[Any]]:
         built = []
         for name, target in self.resources.items():
             resource = load_object(target)()
@@ -119,7 +119,7 @@ def _parse(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_object(target: str) -> Callable[[], Resource]:
+def load_object(target: str) -> Callable[[], Resource[Any]]:
     """``"package.module:attribute"`` -> the attribute, with an error that says what failed."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:

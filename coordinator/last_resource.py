@@ -30,7 +30,7 @@ itself before it next reads its records (`CarryingLog.commit_carried`).
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Protocol, TypeGuard, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from .decision_log import Decision
 from .resource import Resource
@@ -38,7 +38,7 @@ from .xid import Xid
 
 
 @runtime_checkable
-class LastResource(Resource, Protocol):
+class LastResource(Resource[Any], Protocol):
     """A resource that can commit a branch in one phase together with the commit decision.
 
     ``last_resource``
@@ -87,12 +87,12 @@ class LastResource(Resource, Protocol):
 class CarryingLog(Protocol):
     """A decision log whose COMMIT record a participant's own local commit can carry."""
 
-    def carried_by(self, resource: Resource) -> bool:
+    def carried_by(self, resource: Resource[Any]) -> bool:
         """True if ``resource``'s one-phase commit can hold this log's record (it stores in the
         log's own database, writable, at an isolation level the record's fence assumes).
         Asked once per resource; any doubt answers False (the ordinary two-phase path)."""
 
-    def commit_carried(self, resource: Resource, xid: Xid, decision: Decision) -> None:
+    def commit_carried(self, resource: Resource[Any], xid: Xid, decision: Decision) -> None:
         """Write ``decision`` as this log's record inside ``resource``'s branch ``xid`` and
         commit that branch in one phase: the same answers as
         `LastResource.commit_with_decision`. After `OutcomeUnknownError` the log fences the
@@ -100,7 +100,7 @@ class CarryingLog(Protocol):
         """
 
 
-def is_last_resource(resource: Resource) -> TypeGuard[LastResource]:
+def is_last_resource(resource: Resource[Any]) -> TypeGuard[LastResource]:
     """True for a resource that takes the last-resource part (an attribute read, no isinstance
     walk over the protocol: this runs on every join)."""
     return getattr(resource, "last_resource", False) is True

@@ -154,7 +154,7 @@ class TransactionManager:
         self,
         node_id: str,
         log: DecisionLog,
-        resources: Iterable[Resource] = (),
+        resources: Iterable[Resource[Any]] = (),
         *,
         default_timeout: float | None = 60.0,
         parallel: bool = False,
@@ -178,7 +178,7 @@ class TransactionManager:
         self.default_timeout = default_timeout
         self.metrics = Metrics()
         self._gtrids = GtridFactory(node_id)
-        self._resources: dict[str, Resource] = {}
+        self._resources: dict[str, Resource[Any]] = {}
         self._lock = threading.Lock()
         self._recovery_lock = threading.Lock()
         self._in_flight: dict[str, Transaction] = {}
@@ -221,7 +221,7 @@ class TransactionManager:
 
     # -- resources -----------------------------------------------------------------------------
 
-    def register(self, resource: Resource) -> None:
+    def register(self, resource: Resource[Any]) -> None:
         """Make ``resource`` known for recovery; its name must be unique in this manager."""
         if self._resources.get(resource.name) is resource:
             return  # every join calls this: the known case must cost a dict lookup, no more
@@ -240,7 +240,7 @@ class TransactionManager:
             for key, read in gauges().items():
                 self.metrics.gauges[f"{prefix}_{key}"] = read
 
-    def resource(self, name: str) -> Resource:
+    def resource(self, name: str) -> Resource[Any]:
         return self._resources[name]
 
     # -- transactions ----------------------------------------------------------------------------

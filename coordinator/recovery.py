@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import protocol
 from ._completion import judge_commit, record_heuristic, write_end
@@ -90,7 +90,7 @@ class Recovery:
         self,
         node_id: str,
         log_: DecisionLog,
-        resources: Mapping[str, Resource],
+        resources: Mapping[str, Resource[Any]],
         metrics: Metrics,
         backoff: Backoff,
         *,
@@ -121,7 +121,7 @@ class Recovery:
         self.metrics.incr("recovery_passes")
         return report
 
-    def _ordered_resources(self) -> list[Resource]:
+    def _ordered_resources(self) -> list[Resource[Any]]:
         return sorted(self.resources.values(), key=lambda r: (r.sort_key, r.name))
 
     # -- 1. re-drive decisions -----------------------------------------------------------------
@@ -166,7 +166,7 @@ class Recovery:
         self, decided: set[str], guard: InFlightGuard, report: RecoveryReport, force: bool
     ) -> None:
         """List every resource, then ask the last resources about the undecided, then act."""
-        candidates: list[tuple[Resource, Xid]] = []
+        candidates: list[tuple[Resource[Any], Xid]] = []
         prepared: Counter[str] = Counter()  # listed branches per gtrid still prepared
         complete = True  # every resource listed: a decision row without prepared branches is done
         for resource in self._ordered_resources():
@@ -196,7 +196,9 @@ class Recovery:
         if complete:
             self._drop_ended_decisions(lasts, set(+prepared), guard)
 
-    def _list(self, resource: Resource, report: RecoveryReport, force: bool) -> list[Xid] | None:
+    def _list(
+        self, resource: Resource[Any], report: RecoveryReport, force: bool
+    ) -> list[Xid] | None:
         key = f"recover:{resource.name}"
         if not (force or self.retries.is_due(key)):
             report.deferred += 1
@@ -211,14 +213,14 @@ class Recovery:
 
     def _undecided(
         self,
-        resource: Resource,
+        resource: Resource[Any],
         prepared: list[Xid],
         decided: set[str],
         guard: InFlightGuard,
         report: RecoveryReport,
         *,
         force: bool,
-    ) -> list[tuple[Resource, Xid]]:
+    ) -> list[tuple[Resource[Any], Xid]]:
         """The listed branches that are ours, settled, due, and without a logged decision."""
         found = []
         for xid in prepared:
@@ -258,7 +260,7 @@ class Recovery:
         crash_point("recovery.llr.after_lookup")
         return committed, True
 
-    def _commit_listed(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
+    def _commit_listed(self, resource: Resource[Any], xid: Xid, report: RecoveryReport) -> bool:
         """A branch whose decision is a last resource's row: commit it (idempotent)."""
         try:
             reported = resource.commit(xid)
@@ -293,7 +295,7 @@ class Recovery:
             except Exception as exc:  # only housekeeping: the rows are retried next pass
                 log.warning("decision rows of %s not cleaned up: %r", resource.name, exc)
 
-    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
+    def _rollback(self, resource: Resource[Any], xid: Xid, report: RecoveryReport) -> bool:
         try:
             # Presumed abort is a decision too: once another process owns our node (a lease taken
             # over), the branch may be its in-flight transaction, so a fenced log stops us here.

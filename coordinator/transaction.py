@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._runtime import Runtime
 from .errors import (
@@ -27,12 +27,14 @@ from .xid import Xid
 
 log = logging.getLogger("twopc.transaction")
 
+H = TypeVar("H")  # the handle of the resource being joined
+
 
 @dataclass
 class Branch:
     """One resource's part of a transaction."""
 
-    resource: Resource
+    resource: Resource[Any]
     xid: Xid
     handle: Any
 
@@ -113,7 +115,7 @@ class Transaction:
 
     # -- work phase --------------------------------------------------------------------------
 
-    def join(self, resource: Resource) -> Any:
+    def join(self, resource: Resource[H]) -> H:
         """Enlist ``resource`` and return its handle; joining twice returns the same handle."""
         with self._lock:
             self._check_alive("join")
@@ -121,7 +123,7 @@ class Transaction:
             if branch is not None:
                 if branch.resource is not resource:
                     raise IllegalStateError(f"another resource named {resource.name!r} joined")
-                return branch.handle
+                return branch.handle  # type: ignore[no-any-return]  # the same resource: its H
             last = is_last_resource(resource)
             if last and self.last_branch is not None and not self.last_carries:
                 raise ProgrammingError(

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator import (
     Decision,
@@ -213,7 +214,7 @@ def _finish(
     )
 
 
-def _commit(resource: Resource, xid: Xid, decision_log: DecisionLog) -> bool:
+def _commit(resource: Resource[Any], xid: Xid, decision_log: DecisionLog) -> bool:
     """Commit one branch, a few tries; a heuristic outcome is recorded, not raised."""
     for attempt in range(COMMIT_TRIES):
         try:

@@ -4,7 +4,7 @@ subscribers)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from coordinator import IllegalStateError, ProgrammingError, Resource
 from resource_managers.cursor import Subscription
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ._session import Session
 
 
-def topic_verbs(cursor: Resource) -> TopicVerbs:
+def topic_verbs(cursor: Resource[Any]) -> TopicVerbs:
     """``cursor`` as the subscription verbs, or a clear error if it has none."""
     if not callable(getattr(cursor, "subscribe", None)):
         raise ProgrammingError(f"{cursor!r} has no topic subscriptions")

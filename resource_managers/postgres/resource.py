@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypedDict, TypeVar, overload
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
@@ -76,8 +76,12 @@ from . import _driver, _errors
 from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
 from ._decision_table import DecisionTable
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 log = logging.getLogger("twopc.postgres")
 T = TypeVar("T")
+H = TypeVar("H")  # what ``tx.join`` returns: `Session`, Core `Connection`, or the driver's
 Handle = Literal["session", "connection", "dbapi"]
 
 _ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
@@ -107,7 +111,23 @@ class _ServerFacts:
     decisions: DecisionTable | None  # a last resource's decision table
 
 
-class PostgresResource:
+class _Options(TypedDict, total=False):
+    """`PostgresResource`'s keyword options besides ``handle`` (one list for its overloads)."""
+
+    sort_key: str | None
+    session_factory: Callable[[Connection], Session] | None
+    isolation_level: str | None
+    hold_prepared: float
+    outcome_markers: bool
+    marker_table: str
+    marker_retention: float
+    busy_retries: int
+    busy_delay: float
+    last_resource: bool
+    decision_table: str
+
+
+class PostgresResource(Generic[H]):
     """A PostgreSQL database (SQLAlchemy engine on psycopg2 or psycopg 3) as an XA-style resource
     manager.
 
@@ -124,6 +144,36 @@ class PostgresResource:
     docstring); its decision rows live in ``decision_table``, abort fences are kept for
     ``marker_retention``. Such a database needs no ``max_prepared_transactions``.
     """
+
+    @overload
+    def __init__(
+        self: PostgresResource[Session],
+        engine: Engine,
+        name: str | None = None,
+        *,
+        handle: Literal["session"] = "session",
+        **options: Unpack[_Options],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: PostgresResource[Connection],
+        engine: Engine,
+        name: str | None = None,
+        *,
+        handle: Literal["connection"],
+        **options: Unpack[_Options],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: PostgresResource[Any],
+        engine: Engine,
+        name: str | None = None,
+        *,
+        handle: Handle,
+        **options: Unpack[_Options],
+    ) -> None: ...
 
     def __init__(
         self,
@@ -201,7 +251,7 @@ class PostgresResource:
 
     # -- phase zero: the branch's work -----------------------------------------------------------
 
-    def start(self, xid: Xid) -> Any:
+    def start(self, xid: Xid) -> H:
         facts = self._server_facts()
         if facts.max_prepared <= 0 and not self._last:
             raise ConfigurationError(
@@ -219,7 +269,7 @@ class PostgresResource:
             raise
         with self._lock:
             self._branches[xid] = branch
-        return handle
+        return handle  # type: ignore[no-any-return]  # the kind ``handle=`` named, i.e. H
 
     def connection(self, tx: Transaction) -> Connection:
         """Join ``tx`` (if not joined yet) and return the branch's SQLAlchemy Core `Connection`:
