@@ -4,15 +4,12 @@ subscribers)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from coordinator import IllegalStateError, ProgrammingError, Resource
 from resource_managers.cursor import Subscription
 
-from ._types import Handler, Received, TopicVerbs
-
-if TYPE_CHECKING:
-    from ._session import Session
+from ._types import Handler, Received, SessionLike, TopicVerbs
 
 
 def topic_verbs(cursor: Resource[Any]) -> TopicVerbs:
@@ -29,7 +26,7 @@ class Subscriber:
 
     def __init__(
         self,
-        session: Session,
+        session: SessionLike,
         verbs: TopicVerbs,
         subscription: Subscription,
         on_close: Callable[[Subscriber], None],

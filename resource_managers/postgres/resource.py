@@ -72,7 +72,7 @@ from coordinator.decision_log import Decision
 from coordinator.errors import FencedError
 from coordinator.xid import branches_of
 
-from . import _driver, _errors
+from . import _drivers, _errors
 from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
 from ._decision_table import DecisionTable
 
@@ -193,7 +193,7 @@ class PostgresResource(Generic[H]):
         last_resource: bool = False,
         decision_table: str = "twopc_decision_row",
     ) -> None:
-        self._driver = _driver.for_engine(engine)
+        self._driver = _drivers.for_engine(engine)
         if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
             raise ConfigurationError(f"isolation_level must be one of {_ISOLATION_LEVELS}")
         if handle not in _HANDLES:
