@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from coordinator import (
-    FORMAT_ID,
     FileDecisionLog,
     RecoveryReport,
     Transaction,
@@ -64,6 +63,7 @@ from coordinator import (
 )
 from coordinator.cli import summarize, table
 from coordinator.decision_log import inspect_log
+from coordinator.xid import FORMAT_ID
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL, Engine

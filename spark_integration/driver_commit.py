@@ -36,9 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator import (
-    Decision,
     FencedError,
-    HeuristicRecord,
     LogWriteError,
     ProgrammingError,
     Resource,
@@ -46,7 +44,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.decision_log import DecisionLog
+from coordinator.decision_log import Decision, DecisionLog, HeuristicRecord
 from coordinator.protocol import BranchResult, branch_result
 from coordinator.xid import resource_of
 

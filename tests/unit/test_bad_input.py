@@ -24,7 +24,6 @@ import pytest
 
 import coordinator.errors as errors_module
 from coordinator import (
-    FORMAT_ID,
     FencedError,
     FileDecisionLog,
     IllegalStateError,
@@ -34,10 +33,10 @@ from coordinator import (
     TransactionManager,
     TransactionRolledBack,
     TransactionTimedOut,
-    TxState,
     Xid,
 )
-from coordinator.xid import custom_gtrid, validate_node_id, validate_resource_name
+from coordinator.states import TxState
+from coordinator.xid import FORMAT_ID, custom_gtrid, validate_node_id, validate_resource_name
 from tests.support.file_resource import COMMITTED, ROLLED_BACK, FileResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager

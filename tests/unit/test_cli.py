@@ -64,7 +64,7 @@ def test_status_recover_and_inspect_on_an_empty_log(tmp_path: Path) -> None:
 
 
 def test_status_lists_a_pending_decision_while_the_log_is_held(tmp_path: Path) -> None:
-    from coordinator import Decision
+    from coordinator.decision_log import Decision
 
     log = FileDecisionLog(tmp_path / "txlog")
     log.log_commit(Decision("ops-1:x-1", ("a", "b"), None, 1.0))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SNIPPET = '''
+SNIPPET = """
 from typing import Any
 from sqlalchemy import create_engine
 
@@ -37,7 +37,7 @@ def work(tx: Transaction, r: RedisResource, log: MessageLogResource, cur: Cursor
     reveal_type(tx.join(rlog))
     reveal_type(tx.join(rcur))
     reveal_type(tx.join(anything))
-'''
+"""
 
 EXPECTED = [
     "sqlalchemy.orm.session.Session",
