@@ -38,21 +38,25 @@ just ``COMMIT`` with its tag checked.
 ``last_resource=True`` makes the database a logging last resource (`coordinator.last_resource`):
 its branch never prepares; ``commit_with_decision`` sends the decision row, the deletion of rows
 whose transactions ended, and ``COMMIT`` in one round trip (`_decision_table` has the SQL).
+
+Why one module of ~800 lines: it is one class, the XA verbs of a branch over shared state (the
+open branches, the connections held for phase two, the queue of ended decision rows), and each
+verb's failure handling reads that state; what stands apart lives apart: the drivers
+(`_driver`, `_psycopg2`, `_psycopg3`), the branch and its cursors (`_branch`), the resource's
+own statements (`_pooled`), what it learns from the server (`_server`), the session hook
+(`_sessions`), the decision table's SQL (`_decision_table`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypedDict, TypeVar, overload
 
-from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -75,6 +79,9 @@ from coordinator.xid import branches_of
 from . import _drivers, _errors
 from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
 from ._decision_table import DecisionTable
+from ._pooled import Pooled
+from ._server import ServerFacts, Tables, look_up
+from ._sessions import BRANCH, default_session, watch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -100,15 +107,6 @@ class NotPreparable(ProgrammingError):
     """The branch did something PostgreSQL cannot prepare (temporary tables, LISTEN, WITH HOLD)."""
 
     code = "postgres-not-preparable"
-
-
-@dataclass(frozen=True)
-class _ServerFacts:
-    database: str
-    role: str
-    max_prepared: int
-    marker_table: str | None  # schema-qualified and quoted, or None without markers
-    decisions: DecisionTable | None  # a last resource's decision table
 
 
 class _Options(TypedDict, total=False):
@@ -207,7 +205,7 @@ class PostgresResource(Generic[H]):
         self._name = name or _default_name(engine)
         self._sort_key = sort_key or self._name
         self._handle: Handle = handle
-        self._session_factory = session_factory or _default_session
+        self._session_factory = session_factory or default_session
         self._begin = "BEGIN"
         self._isolation = (isolation_level or "READ COMMITTED").upper()
         if isolation_level is not None:
@@ -223,7 +221,8 @@ class PostgresResource(Generic[H]):
         #: prepared branches keeping their connection for phase two, oldest first
         self._held: dict[Xid, Branch] = {}
         self._wanted = threading.local()  # the handle `connection`/`dbapi_connection` asked for
-        self._facts: _ServerFacts | None = None
+        self._facts: ServerFacts | None = None
+        self._pool = Pooled(engine, self._driver, self._name)
         self._last_purge = 0.0
         self._last = last_resource
         self._decision_name = decision_table
@@ -323,8 +322,8 @@ class PostgresResource(Generic[H]):
         if kind == "connection":
             return connection
         session = branch.session = self._session_factory(connection)
-        _watch(type(session))
-        session.info[_BRANCH] = branch
+        watch(type(session))
+        session.info[BRANCH] = branch
         return session
 
     def _core(self, branch: Branch) -> Connection:
@@ -518,12 +517,12 @@ class PostgresResource(Generic[H]):
                 return
 
         def finish() -> None:
-            with self._pooled() as connection:
+            with self._pool.connection() as connection:
                 self._driver.run(connection, f"{verb} %s", [gid])
 
         for attempt in range(self._busy_retries + 1):
             try:
-                self._once_more(finish)
+                self._pool.once_more(finish)
                 return
             except Exception as exc:
                 if _errors.is_unknown_gid(exc):
@@ -608,11 +607,11 @@ class PostgresResource(Generic[H]):
         wanted = sorted(gtrids)
         if not wanted:
             return set()
-        rows = self._pooled_query(*self._decision_table().fence_and_read(wanted))
+        rows = self._pool.query(*self._decision_table().fence_and_read(wanted))
         return {str(gtrid) for (gtrid,) in rows}
 
     def committed_decisions(self, node_id: str) -> dict[str, tuple[str, ...]]:
-        rows = self._pooled_query(*self._decision_table().committed(node_id))
+        rows = self._pool.query(*self._decision_table().committed(node_id))
         return {str(gtrid): tuple(branches) for gtrid, branches in rows}
 
     def end_decision(self, gtrid: str) -> None:
@@ -626,7 +625,7 @@ class PostgresResource(Generic[H]):
         if not gone:
             return
         try:
-            self._pooled_exec(*self._decision_table().drop(gone))
+            self._pool.run(*self._decision_table().drop(gone))
         except Exception:
             self._requeue(ended)
             raise
@@ -648,7 +647,7 @@ class PostgresResource(Generic[H]):
         age."""
         if self._held:
             self._release_expired()
-        rows = self._pooled_query(
+        rows = self._pool.query(
             "SELECT gid FROM pg_prepared_xacts "
             "WHERE database = current_database() AND owner = current_user"
         )
@@ -659,14 +658,14 @@ class PostgresResource(Generic[H]):
     def forget(self, xid: Xid) -> None:
         facts = self._server_facts()
         if facts.marker_table is not None:
-            self._pooled_exec(f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()])
+            self._pool.run(f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()])
 
     def prepared_stats(self) -> tuple[int, float]:
         """(count, age in seconds of the oldest) of this database's prepared transactions.
 
         Every prepared transaction holds its locks and the VACUUM horizon, ours or not.
         """
-        rows = self._pooled_query(
+        rows = self._pool.query(
             "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0) "
             "FROM pg_prepared_xacts WHERE database = current_database()"
         )
@@ -692,7 +691,7 @@ class PostgresResource(Generic[H]):
         if facts.marker_table is None:
             return False
         try:
-            rows = self._pooled_query(
+            rows = self._pool.query(
                 f"SELECT 1 FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()]
             )
         except Exception as exc:
@@ -709,68 +708,26 @@ class PostgresResource(Generic[H]):
             return
         self._last_purge = now
         if facts.marker_table is not None:
-            self._pooled_exec(
+            self._pool.run(
                 f"DELETE FROM {facts.marker_table} "
                 "WHERE committed_at < now() - make_interval(secs => %s)",
                 [self._marker_retention],
             )
         if facts.decisions is not None:
-            self._pooled_exec(*facts.decisions.purge_fences(self._marker_retention))
+            self._pool.run(*facts.decisions.purge_fences(self._marker_retention))
 
     # -- plumbing ----------------------------------------------------------------------------------
 
-    def _server_facts(self) -> _ServerFacts:
-        """Checked once: the setting that makes 2PC possible, and the marker table."""
+    def _server_facts(self) -> ServerFacts:
+        """Looked up once (`_server`)."""
         facts = self._facts
-        if facts is not None:
-            return facts
-
-        def look() -> _ServerFacts:
-            with self._pooled() as connection:
-                (database, role, max_prepared, schema), *_ = self._driver.query(
-                    connection,
-                    "SELECT current_database(), current_user, "
-                    "current_setting('max_prepared_transactions')::int, current_schema()",
-                )
-                table, decisions = None, None
-                if (self._markers or self._last) and schema is None:
-                    raise ConfigurationError(
-                        f"{self._name}: no schema of the search_path exists, so there is "
-                        "nowhere to keep twopc's tables; create one or set search_path"
-                    )
-                if self._markers:
-                    table = f'"{schema}"."{self._marker_name}"'
-                    self._ensure_table(connection, table, _marker_ddl(table), "outcome marker")
-                if self._last:
-                    decisions = DecisionTable(f'"{schema}"."{self._decision_name}"')
-                    self._ensure_table(connection, decisions.table, decisions.ddl(), "decision")
-            return _ServerFacts(str(database), str(role), int(max_prepared), table, decisions)
-
-        facts = self._facts = self._once_more(look)
+        if facts is None:
+            tables = Tables(
+                self._marker_name if self._markers else None,
+                self._decision_name if self._last else None,
+            )
+            facts = self._facts = look_up(self._pool, self._driver, self._name, tables)
         return facts
-
-    def _ensure_table(self, connection: Any, table: str, ddl: str, what: str) -> None:
-        """Create one of our tables if it is missing, or say exactly what an admin must run.
-
-        Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
-        schema even when the table is there, and PostgreSQL 15 took that from ordinary roles.
-        """
-        if self._driver.query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
-            return
-        for attempt in range(3):
-            try:
-                self._driver.run(connection, ddl)
-                return
-            except Exception as exc:
-                if _errors.is_permission_denied(exc):
-                    raise ConfigurationError(
-                        f"{self._name}: the role may not create the {what} table "
-                        f"({_errors.describe(exc)}); have an administrator run: {ddl}; "
-                        f"GRANT SELECT, INSERT, DELETE ON {table} TO <role>"
-                    ) from exc
-                # two processes creating it at once: one wins, the other sees a unique violation
-                if attempt == 2 or _errors.is_unreachable(exc):
-                    raise
 
     def _branch(self, xid: Xid) -> Branch:
         with self._lock:
@@ -805,7 +762,7 @@ class PostgresResource(Generic[H]):
         """Close the branch's handles and give its connection back to the pool (or drop it)."""
         try:
             if branch.session is not None:
-                branch.session.info.pop(_BRANCH, None)
+                branch.session.info.pop(BRANCH, None)
                 branch.session.close()
             self._driver.detach(branch.dbapi)
             if broken:
@@ -818,112 +775,6 @@ class PostgresResource(Generic[H]):
                 branch.pooled.close()
         except Exception as exc:
             log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
-
-    @contextlib.contextmanager
-    def _pooled(self) -> Iterator[Any]:
-        """A pooled DBAPI connection in autocommit mode; one that lost its server is not given
-        back. Raw, not a SQLAlchemy `Connection`: recovery needs one statement, not a facade."""
-        try:
-            raw = self.engine.raw_connection()
-            self._driver.autocommit(raw.dbapi_connection, True)
-        except Exception as exc:
-            raise TransientError(
-                f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
-            ) from exc
-        dbapi = raw.dbapi_connection
-        try:
-            yield dbapi
-            self._driver.autocommit(dbapi, False)
-        except BaseException as exc:
-            if _errors.is_unreachable(exc):
-                raw.invalidate()
-                self._forget_pool()
-                raise _ConnectionLost(
-                    f"{self._name}: lost the connection to PostgreSQL: {_errors.describe(exc)}"
-                ) from exc
-            with contextlib.suppress(Exception):
-                self._driver.autocommit(dbapi, False)
-            raise
-        finally:
-            raw.close()
-
-    def _pooled_query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
-        def work() -> list[tuple[Any, ...]]:
-            with self._pooled() as connection:
-                return self._driver.query(connection, sql, params)
-
-        return self._once_more(work)
-
-    def _pooled_exec(self, sql: str, params: list[Any] | None = None) -> str:
-        def work() -> str:
-            with self._pooled() as connection:
-                return self._driver.run(connection, sql, params)
-
-        return self._once_more(work)
-
-    def _forget_pool(self) -> None:
-        """One connection found the server gone: the rest of the pool is as stale (a restart ends
-        every session), so drop them all rather than fail once per pooled connection."""
-        self.engine.dispose(close=False)
-
-    def _once_more(self, work: Callable[[], T]) -> T:
-        """Run ``work``; if its pooled connection was dead, once more on a fresh one."""
-        try:
-            return work()
-        except _ConnectionLost:
-            return work()
-
-
-# -- the session hook ----------------------------------------------------------------------------
-#
-# Registered once per Session class, never per engine or per session: an engine-level listener
-# slows every statement of every connection of the engine (the application's own too), and a
-# per-session one slows that session's every call. A branch finds itself in ``session.info``;
-# statements are seen by the branch's cursors (`_branch`), not by session hooks.
-
-_BRANCH = "twopc.postgres.branch"
-_watched: set[type[Session]] = set()
-_watched_lock = threading.Lock()
-
-
-class TwopcSession(Session):
-    """The session a branch hands out by default: a `Session` whose class carries the hook."""
-
-
-def _default_session(connection: Connection) -> Session:
-    return TwopcSession(bind=connection)
-
-
-def _watch(cls: type[Session]) -> None:
-    if cls in _watched:
-        return
-    with _watched_lock:
-        if cls not in _watched:
-            event.listen(cls, "after_soft_rollback", _on_soft_rollback)
-            _watched.add(cls)
-
-
-def _on_soft_rollback(session: Session, previous: Any) -> None:
-    # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode as
-    # far as SQLAlchemy knows), so a rollback of the session dooms the branch instead. Rolling
-    # back to a savepoint (a nested transaction) undoes its work on the server.
-    branch: Branch | None = session.info.get(_BRANCH)
-    if branch is None or getattr(previous, "nested", False) or branch.failure is not None:
-        return
-    branch.failure = "the session was rolled back"
-    if branch.last_error:
-        branch.failure += f" after: {branch.last_error}"
-
-
-def _marker_ddl(table: str) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
-        "committed_at timestamptz NOT NULL DEFAULT now())"
-    )
-
-
-class _ConnectionLost(TransientError):
-    """A pooled connection's server went away (crashed, restarted): retried once, then raised."""
 
 
 class _UnknownGid(Exception):

@@ -418,7 +418,7 @@ class SqlDecisionLog:
         if resource.last_resource or not resource.reads_committed:
             return False
         try:
-            rows = resource._pooled_query(  # same package: the resource's pool, its driver
+            rows = resource._pool.query(  # same package: the resource's pool, its driver
                 self._sql.carrier, [self.node_id, self._epoch, self._owner]
             )
         except Exception as exc:
