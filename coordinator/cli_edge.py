@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from .errors import HeuristicError, LogError, TransactionError, TransientError
+from .errors import HeuristicError, TransactionError, TransientError
 
 
 class Exit(enum.IntEnum):
@@ -30,11 +30,11 @@ class Exit(enum.IntEnum):
 
     OK = 0  #: nothing to act on
     ATTENTION = 1  #: the command found something to look at (a log warning, ids not found)
-    USAGE = 2  #: the command could not run: usage, configuration, a path or port (argparse too)
+    USAGE = 2  #: the command could not run: usage, configuration, a path or port (argparse too),
+    #: or a refusal its code names (``log-locked``: the service holds the log)
     IN_DOUBT = 3  #: a transaction in doubt for longer than the threshold (``--older-than``)
     HEURISTIC = 4  #: a heuristic outcome is live: a human must reconcile, then ``twopc forget``
     UNREACHABLE = 5  #: a resource or server could not be reached; run again once it is back
-    LOG = 6  #: the log or a journal cannot be used now (locked by its owner, corrupt, unwritable)
     INTERNAL = 70  #: a bug (``internal-error``): report it with the ``-v`` traceback
     INTERRUPTED = 130  #: Ctrl-C
     PIPE_CLOSED = 141  #: the reader went away (``| head``); as a process killed by SIGPIPE
@@ -55,8 +55,6 @@ def exit_code_of(exc: TransactionError) -> Exit:
         return Exit.HEURISTIC
     if isinstance(exc, TransientError):
         return Exit.UNREACHABLE
-    if isinstance(exc, LogError):
-        return Exit.LOG
     return Exit.USAGE
 
 
