@@ -339,9 +339,9 @@ class Recovery:
         report.failures.append(f"{what}: {why}")
         self.metrics.incr("recovery_failures")
         if self.retries_later:
-            log.warning("recovery of %s failed, will retry: %s", what, why)
+            log.warning("recovery: %s failed, will retry: %s", what, why)
         else:
-            log.warning("recovery of %s failed: %s", what, why)
+            log.warning("recovery: %s failed: %s", what, why)
         return False
 
     def _resolved_one(self) -> None:

@@ -55,6 +55,7 @@ from urllib.parse import urlsplit
 
 from coordinator import (
     FORMAT_ID,
+    ConfigurationError,
     FileDecisionLog,
     RecoveryReport,
     Transaction,
@@ -466,8 +467,9 @@ def run(args: argparse.Namespace) -> int:
         import redis  # noqa: PLC0415, F401
         import sqlalchemy  # noqa: PLC0415, F401
     except ImportError:
-        print("twopc demo needs the extras: pip install 'twopc[postgres,redis]'", file=sys.stderr)
-        return 2
+        raise ConfigurationError(
+            "twopc demo needs the extras: pip install 'twopc[postgres,redis]'"
+        ) from None
     try:
         store = _find_redis()
         try:
@@ -477,9 +479,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         with _setup(cluster, store, args.keep) as state:
             return _demo(state, args)
-    except _Unusable as exc:
-        print(f"twopc demo: {exc}", file=sys.stderr)
-        return 2
+    except _Unusable as exc:  # one line with its code, as every command's failure
+        raise ConfigurationError(f"twopc demo: {exc}") from exc
 
 
 @contextlib.contextmanager

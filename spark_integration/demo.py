@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coordinator import Xid
+from coordinator import ConfigurationError, Xid
 from coordinator.cli import table
 
 if TYPE_CHECKING:
@@ -186,9 +186,8 @@ def run(args: argparse.Namespace) -> int:
         _check_requirements()
         with _setup(bool(getattr(args, "keep", False))) as state:
             return _demo(state)
-    except _Unusable as exc:
-        print(f"twopc demo --spark: {exc}", file=sys.stderr)
-        return 2
+    except _Unusable as exc:  # one line with its code, as every command's failure
+        raise ConfigurationError(f"twopc demo --spark: {exc}") from exc
 
 
 def _check_requirements() -> None:

@@ -98,3 +98,40 @@ def test_summarize_folds_end_and_forget() -> None:
     assert list(pending) == ["g2"]
     assert [h["gtrid"] for h in heuristics] == ["g2"]
     assert notes == []
+
+
+def test_cells_and_times_read_as_an_operator_reads_them() -> None:
+    from coordinator.cli_output import age, cell, readable, when
+
+    assert [cell(v) for v in (None, "", True, False, ["a", "b"], (), 1.5, 3)] == [
+        "-", "-", "yes", "no", "a,b", "-", "1.5", "3",
+    ]  # fmt: skip
+    assert when(0) is None and when(None) is None and when(86400.0) == "1970-01-02T00:00:00Z"
+    assert [age(s) for s in (5, 185, 7380, 93600, None)] == ["5s", "3m05s", "2h03m", "1d02h", None]
+    assert readable({"written_at": 86400.0, "branches": ("a",), "deadline": None}) == {
+        "written_at": "1970-01-02T00:00:00Z", "branches": ["a"], "deadline": None,
+    }  # fmt: skip
+
+
+def test_exit_codes_rank_by_urgency_and_errors_by_who_acts() -> None:
+    from coordinator import HeuristicMixed, LogLockedError, TransientError
+    from coordinator.cli_edge import Exit, exit_code_of, most_urgent
+
+    assert most_urgent() == Exit.OK
+    assert most_urgent(Exit.ATTENTION, Exit.IN_DOUBT) == Exit.IN_DOUBT
+    assert most_urgent(Exit.IN_DOUBT, Exit.UNREACHABLE, Exit.HEURISTIC) == Exit.HEURISTIC
+    assert exit_code_of(HeuristicMixed("x")) == Exit.HEURISTIC
+    assert exit_code_of(TransientError("x")) == Exit.UNREACHABLE
+    assert exit_code_of(LogLockedError("x")) == exit_code_of(InvalidXidError("x")) == Exit.USAGE
+
+
+def test_recovery_names_branches_by_gtrid_not_by_gid() -> None:
+    from coordinator import Xid
+    from coordinator.recovery import describe_error, describe_key
+
+    gid = Xid.branch_of("ops-1:x-1", "ledger").to_gid()
+    assert describe_key(gid) == "ops-1:x-1 on ledger"
+    assert describe_key("ops-1:x-1") == "ops-1:x-1"
+    assert describe_key("recover:ledger") == "listing resource ledger"
+    assert describe_error(ConnectionRefusedError("refused")) == "ConnectionRefusedError: refused"
+    assert describe_error(InvalidXidError("bad")) == "[invalid-xid] bad"
