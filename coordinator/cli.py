@@ -20,7 +20,7 @@ from typing import Any
 from . import config as config_mod
 from .cli_edge import Exit, Parser, most_urgent, run_guarded, say
 from .cli_output import emit_json, readable, table, when
-from .cli_status import DEFAULT_OLDER_THAN, cmd_status, summarize
+from .cli_status import DEFAULT_OLDER_THAN, cmd_status, require_log_directory, summarize
 from .decision_log import inspect_log
 from .errors import ConfigurationError, InvalidXidError, NoHeuristicError
 from .manager import TransactionManager
@@ -32,16 +32,24 @@ DEFAULT_CONFIG = "twopc.toml"
 __all__ = ["DEFAULT_CONFIG", "build_parser", "main", "summarize", "table"]
 
 
-def _manager(cfg: config_mod.Config) -> TransactionManager:
-    return TransactionManager(
-        cfg.node_id,
-        cfg.build_log(),
-        cfg.build_resources(),
-        recover_on_start=False,
-        recovery_interval=None,
-        reaper_interval=None,
-        sub_branch_grace=cfg.sub_branch_grace,
-    )
+def _manager(cfg: config_mod.Config, config_path: str) -> TransactionManager:
+    """The node's manager, for one command: no background work, nothing run at start."""
+    require_log_directory(cfg, config_path)
+    log = cfg.build_log()
+    try:
+        resources = cfg.build_resources()
+        return TransactionManager(
+            cfg.node_id,
+            log,
+            resources,
+            recover_on_start=False,
+            recovery_interval=None,
+            reaper_interval=None,
+            sub_branch_grace=cfg.sub_branch_grace,
+        )
+    except BaseException:
+        log.close()  # release the lock (or lease) now, not at exit
+        raise
 
 
 # -- recover --------------------------------------------------------------------------------------
@@ -53,7 +61,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config)
     handler = _show_progress()
     try:
-        with _manager(cfg) as tm:
+        with _manager(cfg, args.config) as tm:
             report = tm.recover(force=True)
             heuristics = tm.heuristics()
     finally:
@@ -132,7 +140,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
     """Refuses anything but a live heuristic record of this node, so a typo writes nothing."""
     cfg = config_mod.load(args.config)
     _check_gtrid(args.gtrid, args.branch, cfg.node_id)
-    with _manager(cfg) as tm:
+    with _manager(cfg, args.config) as tm:
         matching = [
             h for h in tm.heuristics()
             if h.gtrid == args.gtrid and args.branch in (None, h.branch)

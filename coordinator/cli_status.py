@@ -29,11 +29,7 @@ Pending = dict[str, dict[str, Any]]
 def cmd_status(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config)
     if cfg.log is not None:
-        if not cfg.log.is_dir():
-            raise ConfigurationError(
-                f"no decision log directory {cfg.log} (the `log` of {args.config}; a relative "
-                "path is relative to the config file's folder)"
-            )
+        require_log_directory(cfg, args.config)
         pending, heuristics, notes = summarize(inspect_log(cfg.log))
         where = str(cfg.log)
     else:
@@ -71,6 +67,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     if old:
         print(f"\n{len(old)} in doubt for longer than {age(args.older_than)} (--older-than)")
     return code
+
+
+def require_log_directory(cfg: config_mod.Config, config_path: str) -> None:
+    """The commands never create a log: a missing directory is a wrong config (the service
+    creates its log at first start), and an empty new one would report nothing to do."""
+    if cfg.log is not None and not cfg.log.is_dir():
+        raise ConfigurationError(
+            f"no decision log directory {cfg.log} (the `log` of {config_path}; a relative "
+            "path is relative to the config file's folder)"
+        )
 
 
 def _in_doubt_row(

@@ -61,8 +61,9 @@ def one_line_error(done: subprocess.CompletedProcess[str], code: str, exit_code:
 
 
 def config(folder: Path, resources: dict[str, str] | None = None, **keys: object) -> Path:
-    """A config in its own folder, with the test factories beside it."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """A config in its own folder, with the test factories beside it and an empty log (the
+    service creates it at first start; the command line never does)."""
+    (folder / "txlog").mkdir(parents=True, exist_ok=True)
     shutil.copy(FACTORIES, folder / "edge_factories.py")
     path = folder / "twopc.json"
     body = {"node_id": NODE, "log": "txlog", "resources": resources or {}, **keys}
@@ -127,10 +128,11 @@ def test_a_factory_that_cannot_be_imported_says_where_it_looked(tmp_path: Path) 
 def test_a_wrong_directory_is_one_line(tmp_path: Path) -> None:
     line = one_line_error(twopc("log", "inspect", str(tmp_path / "typo")), "configuration", 2)
     assert "does not exist" in line
-    cfg = config(tmp_path, log="no-such-log")
-    assert "no decision log directory" in one_line_error(
-        twopc("status", "-c", str(cfg)), "configuration", 2
-    )
+    cfg = config(tmp_path, LEDGER, log="no-such-log")
+    for command in ("status", "recover"):  # recover must not create an empty log and report 0
+        done = twopc(command, "-c", str(cfg))
+        assert "no decision log directory" in one_line_error(done, "configuration", 2)
+    assert not (tmp_path / "no-such-log").exists()
     journal = twopc("journal", "check", "--dir", str(tmp_path / "typo"), "--kind", "cursor")
     assert "does not exist" in one_line_error(journal, "configuration", 2)
     serve = twopc("serve", "cursor", "--dir", str(cfg), "--listen", "127.0.0.1:0")
