@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     recover.set_defaults(func=cmd_recover)
     status = sub.add_parser("status", help="list in-doubt and heuristic transactions (read-only)")
     status.add_argument(
-        "--older-than", type=float, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
+        "--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
         help=f"exit {int(Exit.IN_DOUBT)} when a transaction has been in doubt longer than this "
         f"(default {DEFAULT_OLDER_THAN:g})",
     )  # fmt: skip
@@ -234,6 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_log_inspect)
     _add_plugins(sub)
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
 
 
 def _add_plugins(sub: Any) -> None:

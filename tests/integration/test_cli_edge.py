@@ -295,3 +295,24 @@ def test_every_listing_command_has_json(tmp_path: Path, listing: list[str]) -> N
     done = twopc(*listing, *where, "--json")
     assert done.returncode == 0, done.stderr
     json.loads(done.stdout)
+
+
+def test_recover_shows_progress_on_a_long_run(tmp_path: Path) -> None:
+    """120 orphans of a crash (prepared, no decision): a line per resource listed and per 100
+    branches resolved, on stderr, while the report stays on stdout."""
+    from coordinator import Xid
+    from tests.support.file_resource import FileResource
+
+    cfg = config(tmp_path, LEDGER)
+    ledger = FileResource("ledger", tmp_path / "ledger")
+    for i in range(120):
+        xid = Xid.branch_of(f"{NODE}:orphan-{i}", "ledger")
+        ledger.start(xid).add("n", 1)
+        ledger.prepare(xid)
+    done = twopc("recover", "-c", str(cfg))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rolled back (presumed abort): 120" in done.stdout
+    assert done.stderr.splitlines() == [
+        "recover: resource ledger lists 120 prepared branches",
+        "recover: 100 branches resolved so far",
+    ]
