@@ -11,19 +11,23 @@ adds it).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 from . import config as config_mod
 from .cli_edge import Exit, Parser, most_urgent, run_guarded, say
 from .cli_output import emit_json, readable, table, when
 from .cli_status import DEFAULT_OLDER_THAN, cmd_status, require_log_directory, summarize
-from .decision_log import inspect_log
+from .decision_log import HeuristicRecord, inspect_log
 from .errors import ConfigurationError, InvalidXidError, NoHeuristicError
 from .manager import TransactionManager
+from .recovery import RecoveryReport
 from .recovery import progress as recovery_progress
 from .xid import Xid
 
@@ -59,55 +63,63 @@ def cmd_recover(args: argparse.Namespace) -> int:
     """One pass, now. Progress goes to stderr; the report to stdout; the exit code says what is
     left: a live heuristic (`Exit.HEURISTIC`), a branch not finished (`Exit.UNREACHABLE`)."""
     cfg = config_mod.load(args.config)
-    handler = _show_progress()
-    try:
-        with _manager(cfg, args.config) as tm:
-            report = tm.recover(force=True)
-            heuristics = tm.heuristics()
-    finally:
-        recovery_progress.removeHandler(handler)
+    with _progress_on_stderr(), _manager(cfg, args.config) as tm:
+        report = tm.recover(force=True)
+        heuristics = tm.heuristics()
     unfinished = [*report.failures]
     if report.deferred:
         unfinished.append(
             f"{report.deferred} branches left undecided: a last resource could not say whether "
             "they committed"
         )
-    live = [_heuristic_line(h.gtrid, h.branch, h.outcome, h.recorded_at) for h in heuristics]
     if args.json:
         emit_json(
             {
                 "committed": report.committed,
                 "rolled_back": [_gid_words(g) for g in report.rolled_back],
                 "not_finished": unfinished,
-                "heuristics": [readable(_heuristic_dict(h)) for h in heuristics],
+                "heuristics": [_heuristic_dict(h) for h in heuristics],
                 "left_alone": report.left_alone,
             }
         )
     else:
-        print(f"committed (re-driven): {len(report.committed)}")
-        print(f"rolled back (presumed abort): {len(report.rolled_back)}")
-        print(f"not finished (run `twopc recover` again once it is reachable): {len(unfinished)}")
-        for line in unfinished:
-            print(f"  {line}")
-        print(f"heuristic outcomes (a human must look; `twopc forget` when done): {len(live)}")
-        for line in live:
-            print(f"  {line}")
-        print(f"left alone (other nodes' branches, or not ours to decide): {report.left_alone}")
+        _print_recovery(report, unfinished, heuristics)
     return most_urgent(
         *([Exit.HEURISTIC] if heuristics else []), *([Exit.UNREACHABLE] if unfinished else [])
     )
 
 
-def _show_progress() -> logging.Handler:
+def _print_recovery(
+    report: RecoveryReport, unfinished: list[str], heuristics: list[HeuristicRecord]
+) -> None:
+    print(f"committed (re-driven): {len(report.committed)}")
+    print(f"rolled back (presumed abort): {len(report.rolled_back)}")
+    print(f"not finished (run `twopc recover` again once it is reachable): {len(unfinished)}")
+    for line in unfinished:
+        print(f"  {line}")
+    print(f"heuristic outcomes (a human must look; `twopc forget` when done): {len(heuristics)}")
+    for h in heuristics:
+        print(f"  {_heuristic_line(h)}")
+    print(f"left alone (other nodes' branches, or not ours to decide): {report.left_alone}")
+
+
+@contextlib.contextmanager
+def _progress_on_stderr() -> Iterator[None]:
     """Recovery's progress lines on stderr, whatever ``-v`` says: a long pass shows it moves.
     The per-failure warnings (``twopc.recovery``) stay as ``-v`` sets them; the report lists
-    every failure anyway."""
+    every failure anyway. The logger is put back as it was (``main`` may run in a test)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("recover: %(message)s"))
+    level, propagate = recovery_progress.level, recovery_progress.propagate
     recovery_progress.addHandler(handler)
     recovery_progress.setLevel(logging.INFO)
     recovery_progress.propagate = False
-    return handler
+    try:
+        yield
+    finally:
+        recovery_progress.removeHandler(handler)
+        recovery_progress.setLevel(level)
+        recovery_progress.propagate = propagate
 
 
 def _gid_words(gid: str) -> str:
@@ -118,19 +130,15 @@ def _gid_words(gid: str) -> str:
     return f"{xid.gtrid} on {xid.bqual}"
 
 
-def _heuristic_dict(h: Any) -> dict[str, Any]:
-    return {
-        "gtrid": h.gtrid,
-        "branch": h.branch,
-        "outcome": h.outcome,
-        "detail": h.detail or None,
-        "recorded_at": h.recorded_at,
-    }
+def _heuristic_dict(h: HeuristicRecord) -> dict[str, Any]:
+    """A heuristic record for JSON: ISO time, null for no detail."""
+    return readable({**dataclasses.asdict(h), "detail": h.detail or None})
 
 
-def _heuristic_line(gtrid: str, branch: str, outcome: str, recorded_at: float) -> str:
-    recorded = when(recorded_at)
-    return f"{gtrid} on {branch}: {outcome}" + (f" (recorded {recorded})" if recorded else "")
+def _heuristic_line(h: HeuristicRecord) -> str:
+    """``GTRID on BRANCH: OUTCOME (recorded TIME)``: what `twopc forget` takes, never a gid."""
+    recorded = when(h.recorded_at)
+    return f"{h.gtrid} on {h.branch}: {h.outcome}" + (f" (recorded {recorded})" if recorded else "")
 
 
 # -- forget ---------------------------------------------------------------------------------------
@@ -153,10 +161,10 @@ def cmd_forget(args: argparse.Namespace) -> int:
             )
         tm.forget_heuristic(args.gtrid, args.branch)
     if args.json:
-        emit_json({"forgotten": [readable(_heuristic_dict(h)) for h in matching]})
+        emit_json({"forgotten": [_heuristic_dict(h) for h in matching]})
     else:
         for h in matching:
-            print("forgot " + _heuristic_line(h.gtrid, h.branch, h.outcome, h.recorded_at))
+            print(f"forgot {_heuristic_line(h)}")
     return Exit.OK
 
 
@@ -187,8 +195,6 @@ def cmd_log_inspect(args: argparse.Namespace) -> int:
 
 
 def _log_directory(path: str) -> str:
-    from pathlib import Path  # noqa: PLC0415 - only this command needs it
-
     if not Path(path).is_dir():
         what = "does not exist" if not Path(path).exists() else "is not a directory"
         raise ConfigurationError(
