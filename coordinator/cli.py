@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as config_mod
-from .cli_edge import Exit, Parser, most_urgent, run_guarded, say
+from .cli_edge import Exit, Parser, interrupted, most_urgent, pipe_closed, run_guarded, say
 from .cli_output import emit_json, readable, table, when
 from .cli_status import DEFAULT_OLDER_THAN, cmd_status, require_log_directory, summarize
 from .decision_log import HeuristicRecord, inspect_log
@@ -264,8 +264,10 @@ def _add_plugins(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except KeyboardInterrupt:
-        return Exit.INTERRUPTED
+    except KeyboardInterrupt:  # while the plugins load
+        return interrupted()
+    except BrokenPipeError:  # `twopc --help | head -1`
+        return pipe_closed()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -74,13 +74,10 @@ def run_guarded(command: Callable[[], int], *, verbose: bool) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the guard, not at interpreter exit
         return code
     except BrokenPipeError:
-        return _pipe_closed()
+        return pipe_closed()
     except KeyboardInterrupt:
         _trace(verbose)
-        say(
-            "[interrupted] stopped by Ctrl-C; nothing is left half-done that recovery cannot finish"
-        )
-        return Exit.INTERRUPTED
+        return interrupted()
     except TransactionError as exc:
         _trace(verbose)
         say(str(exc))
@@ -111,7 +108,12 @@ def _describe_os_error(exc: OSError) -> str:
     return f"{reason}{':' if where else ''}{where}{hint}"
 
 
-def _pipe_closed() -> int:
+def interrupted() -> int:
+    say("[interrupted] stopped by Ctrl-C; nothing is left half-done that recovery cannot finish")
+    return Exit.INTERRUPTED
+
+
+def pipe_closed() -> int:
     """The reader closed the pipe: stop quietly. stdout is pointed at /dev/null so the
     interpreter's final flush of what is still buffered does not fail a second time."""
     try:
