@@ -273,17 +273,25 @@ def test_an_unreachable_cursor_server_exits_5() -> None:
 
 def test_serve_log_warns_that_it_cannot_reach_its_cursor_with_back_off(tmp_path: Path) -> None:
     cursor = f"127.0.0.1:{free_port()}"  # nobody listens there
-    proc = popen("serve", "log", "--dir", str(tmp_path / "log"), "--listen", "127.0.0.1:0",
-                 "--cursor", cursor, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        time.sleep(5)  # attempts back off from 0.1 s: a dozen or so by now
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=20)
+    said = f"cannot reach cursor {cursor}"
+    output = tmp_path / "serve.out"
+    with output.open("w") as sink:
+        proc = popen("serve", "log", "--dir", str(tmp_path / "log"), "--listen", "127.0.0.1:0",
+                     "--cursor", cursor, stdout=sink, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while said not in output.read_text():
+                assert time.monotonic() < deadline and proc.poll() is None, output.read_text()
+                time.sleep(0.1)
+            time.sleep(3)  # attempts back off from 0.1 s: several more fail meanwhile
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+    out = output.read_text()
     assert proc.returncode == 0, out
-    warnings = [line for line in out.splitlines() if f"cannot reach cursor {cursor}" in line]
-    assert warnings and all(line.startswith("WARNING twopc.transfer") for line in warnings), out
-    assert len(warnings) == 1, out  # the next one only after 10 s
+    warnings = [line for line in out.splitlines() if said in line]
+    assert warnings[0].startswith(f"WARNING twopc.transfer: transfer: {said}: "), out
+    assert len(warnings) == 1, out  # the next one only 10 s after the first
     assert "Traceback" not in out
 
 
