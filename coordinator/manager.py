@@ -202,6 +202,7 @@ class TransactionManager:
             backoff or ExponentialBackoff(),
             sub_branch_grace=sub_branch_grace,
         )
+        self._recovery.retries_later = bool(recovery_interval)
         self._tickers: list[_reaper.Ticker] = []
         self._closed = False
         for resource in resources:

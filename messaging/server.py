@@ -81,7 +81,9 @@ class LogServer:
                 server_hostname=cursor_hostname, server_id=cursor_id,
             )  # fmt: skip
 
-        self.transfer = LogTransfer(self.mlog, dial, resend=resend, streams=streams)
+        self.transfer = LogTransfer(
+            self.mlog, dial, resend=resend, streams=streams, peer=f"{cursor[0]}:{cursor[1]}"
+        )
         self.listener: Listener | None = None
         self.service = ProducerService(self.mlog)
         try:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 from typing import Any
+
+from coordinator import ConfigurationError
 
 from .bank import CRASH_AT
 from .scenario import demo, setup
@@ -41,12 +42,10 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.spark:
         if importlib.util.find_spec("pyspark") is None:
-            print(
+            raise ConfigurationError(
                 "twopc demo --spark needs the spark extra (and Java 17+): "
-                "pip install 'twopc[spark]'",
-                file=sys.stderr,
+                "pip install 'twopc[spark]'"
             )
-            return 2
         from . import spark  # noqa: PLC0415 - only --spark pays for the Spark demo's imports
 
         return spark.run(args)
@@ -55,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
         import redis  # noqa: PLC0415, F401
         import sqlalchemy  # noqa: PLC0415, F401
     except ImportError:
-        print("twopc demo needs the extras: pip install 'twopc[postgres,redis]'", file=sys.stderr)
-        return 2
+        raise ConfigurationError(
+            "twopc demo needs the extras: pip install 'twopc[postgres,redis]'"
+        ) from None
     try:
         store = find_redis()
         try:
@@ -66,6 +66,5 @@ def run(args: argparse.Namespace) -> int:
             raise
         with setup(cluster, store, args.keep) as state:
             return demo(state, args)
-    except Unusable as exc:
-        print(f"twopc demo: {exc}", file=sys.stderr)
-        return 2
+    except Unusable as exc:  # one line with its code, as every command's failure
+        raise ConfigurationError(f"twopc demo: {exc}") from exc

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from coordinator import ConfigurationError
 from coordinator.cli import table
 
 from .audit import indent
@@ -74,9 +75,8 @@ def run(args: argparse.Namespace) -> int:
         _check_requirements()
         with _setup(bool(getattr(args, "keep", False))) as state:
             return _demo(state)
-    except Unusable as exc:
-        print(f"twopc demo --spark: {exc}", file=sys.stderr)
-        return 2
+    except Unusable as exc:  # one line with its code, as every command's failure
+        raise ConfigurationError(f"twopc demo --spark: {exc}") from exc
 
 
 def _check_requirements() -> None:

@@ -213,7 +213,7 @@ def test_commit_with_a_down_resource_rolls_back(
     assert tm.metrics_dict()["rollback_unreachable"] == 1
 
     report = tm.recover(force=True)  # the dead server is reported, nothing raised
-    assert any(f.startswith("recover:c") for f in report.failures)
+    assert any(f.startswith("listing resource c:") for f in report.failures)
     assert not report.clean
 
 

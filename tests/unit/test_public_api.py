@@ -21,7 +21,7 @@ ERRORS = {
     "HeuristicError", "HeuristicCommit", "HeuristicRollback", "HeuristicMixed", "HeuristicHazard",
     "LogError", "LogCorruptionError", "LogLockedError", "LogWriteError", "UnreplayableRecordError",
     "ConfigurationError", "ProgrammingError", "IllegalStateError", "InvalidXidError",
-    "NoTransactionError",
+    "NoTransactionError", "NoHeuristicError",
 }  # fmt: skip
 
 
