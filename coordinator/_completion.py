@@ -16,12 +16,14 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, NoReturn
 
 from . import _last_resource, protocol
+from ._verbs import BATCH, LAZY, VERBS, learn
+from .batch_commit import batch_committer, batches
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog, HeuristicRecord
 from .errors import (
@@ -440,12 +442,17 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
-    latch = None  # only where a branch can commit lazily: the plain path allocates nothing
+    verbs = 0  # the optional verbs (`_verbs`) of any branch: one lookup per branch, inline
     for branch in branches:
-        if commits_lazily(branch.resource) is not None:
-            latch = EndLatch()
-            break
-    if tx.runtime.parallel and len(branches) > 1:
+        found = VERBS.get(type(branch.resource))
+        verbs |= found if found is not None else learn(type(branch.resource))
+    # a latch only where a branch can commit lazily: the plain path allocates nothing
+    latch = EndLatch() if verbs & LAZY else None
+    grouped = batches(branches) if verbs & BATCH and len(branches) > 1 else None
+    answers: Iterator[BranchResult]
+    if grouped is not None:
+        answers = _batched_answers(tx, branches, grouped, latch)
+    elif tx.runtime.parallel and len(branches) > 1:
         pool = tx.runtime.branch_executor()
         pending = [pool.submit(_commit_branch, tx, b, latch) for b in branches]
         answers = (future.result() for future in pending)  # _commit_branch never raises
@@ -487,10 +494,70 @@ def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch | None) -> B
         else:
             reported = branch.resource.commit(branch.xid)
     except Exception as exc:
-        log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
-        tx.runtime.metrics.incr("commit_unreachable")
-        return BranchResult.UNREACHABLE
+        return _unconfirmed(tx, branch, exc)
     return judge_commit(tx.runtime.log, branch.xid.gtrid, branch.resource.name, reported)
+
+
+def _unconfirmed(tx: Transaction, branch: Branch, exc: BaseException) -> BranchResult:
+    log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
+    tx.runtime.metrics.incr("commit_unreachable")
+    return BranchResult.UNREACHABLE
+
+
+def _batched_answers(
+    tx: Transaction,
+    branches: list[Branch],
+    grouped: dict[str, list[Branch]],
+    latch: EndLatch | None,
+) -> Iterator[BranchResult]:
+    """Each branch's result in commit order, a batch (`batch_commit`) committed when its first
+    branch comes up; with ``parallel``, every batch and lone branch side by side."""
+    units: list[list[Branch]] = []
+    for branch in branches:
+        unit = grouped.get(branch.resource.name)
+        if unit is None:
+            units.append([branch])
+        elif unit[0] is branch:
+            units.append(unit)
+    if tx.runtime.parallel and len(units) > 1:
+        pool = tx.runtime.branch_executor()
+        pending = [pool.submit(_commit_unit, tx, unit, latch) for unit in units]
+        done: dict[str, BranchResult] = {}
+        for branch in branches:
+            if branch.resource.name not in done:
+                done.update(pending.pop(0).result())  # _commit_unit never raises
+            yield done[branch.resource.name]
+        return
+    done = {}
+    for branch in branches:
+        if branch.resource.name not in done:
+            done.update(_commit_unit(tx, units.pop(0), latch))
+        yield done[branch.resource.name]
+
+
+def _commit_unit(
+    tx: Transaction, unit: list[Branch], latch: EndLatch | None
+) -> dict[str, BranchResult]:
+    """Commit one branch alone, or a batch in one call to its first resource's
+    ``commit_batch``; never raises: what is not confirmed is left to recovery."""
+    if len(unit) == 1:
+        return {unit[0].resource.name: _commit_branch(tx, unit[0], latch)}
+    leader = batch_committer(unit[0].resource)
+    assert leader is not None  # batches() grouped only batch committers
+    try:
+        answers = leader.commit_batch([(b.resource, b.xid) for b in unit])
+        if len(answers) != len(unit):
+            raise TypeError(f"commit_batch answered {len(answers)} of {len(unit)} branches")
+    except Exception as exc:
+        answers = [exc] * len(unit)
+    results = {}
+    for branch, answer in zip(unit, answers, strict=True):
+        name = branch.resource.name
+        if isinstance(answer, BaseException):
+            results[name] = _unconfirmed(tx, branch, answer)
+        else:
+            results[name] = judge_commit(tx.runtime.log, tx.gtrid, name, answer)
+    return results
 
 
 def judge_commit(
