@@ -38,6 +38,14 @@ PostgreSQL + Redis (ratios against ``pair``):
   Redis prepare script, the decision record, COMMIT PREPARED, the Redis commit script. Target:
   >= 0.8x ``pair``.
 
+Two Redis resources next to PostgreSQL (the counters in one, the marker in the other; ratios
+against ``pair``, and in the context lines against each other):
+
+- ``2pc-2r``: both Redis resources on one client, so phase two sends their two commit scripts
+  in one pipelined round trip (`coordinator.batch_commit`); ``2pc-2r-2c``: each on its own
+  client, one round trip per branch (what every transaction with two Redis branches paid before
+  pipelining). ``2pc-2r-llr`` and ``llr-2r-2c``: the same with PostgreSQL as the last resource.
+
 After each row the script checks that the writes landed exactly: every client's two counters
 equal the transactions it committed and its marker holds the last one; the PostgreSQL rows
 inserted exactly one row per transaction; no prepared PostgreSQL transaction is left; twopc's
@@ -327,6 +335,44 @@ def two_phase_setup(
     return Setup(client, close)
 
 
+def two_redis_setup(
+    bench: Bench, threads: int, ledger: Ledger, last: bool, shared: bool = True
+) -> Setup:
+    """PostgreSQL and two Redis resources (the counters in one, the marker in the other) in one
+    transaction. ``shared``: both on one client, so phase two pipelines their commits in one
+    round trip (`coordinator.batch_commit`); else each on its own client: one round trip each,
+    as before pipelining."""
+    r, engine = bench.redis(), bench.engine(threads)
+    r2 = r if shared else bench.redis()
+    db = PostgresResource(engine, "pg", last_resource=last)
+    counters = ledger.redis_resource(r, blind=True)
+    markers = RedisResource(r2, "redis2", namespace=ledger.namespace, blind_writes=True)
+    tm = bench.manager([db, counters, markers])
+
+    def client() -> Client:
+        keys = ledger.new()
+
+        def one() -> None:
+            n = keys.done + 1
+            with tm.transaction() as tx:
+                tx.join(db).execute(CORE_INSERT, {"payload": PAYLOAD})
+                branch = tx.join(counters)
+                branch.incrby(keys.a, 1)
+                branch.incrby(keys.b, 1)
+                tx.join(markers).set(keys.marker, n)
+            keys.done = n
+
+        return one
+
+    def close() -> None:
+        tm.close()
+        engine.dispose()
+        r.close()
+        r2.close()
+
+    return Setup(client, close)
+
+
 @dataclass(frozen=True)
 class RowSpec:
     key: str
@@ -334,6 +380,7 @@ class RowSpec:
     make: Callable[[Bench, int, Ledger], Setup]
     ref: str  # the row its ratio is against
     pg_rows: int  # rows each transaction inserts into PostgreSQL
+    redis_branches: int = 1  # twopc branch records each transaction leaves in Redis
 
 
 ROWS = (
@@ -375,6 +422,38 @@ ROWS = (
         lambda b, t, led: two_phase_setup(b, t, led, parallel=True),
         "pair",
         1,
+    ),
+    RowSpec(
+        "2pc-2r",
+        "twopc PG + 2 Redis (one client), file log",
+        lambda b, t, led: two_redis_setup(b, t, led, last=False),
+        "pair",
+        1,
+        2,
+    ),
+    RowSpec(
+        "2pc-2r-2c",
+        "twopc PG + 2 Redis (two clients), file log",
+        lambda b, t, led: two_redis_setup(b, t, led, last=False, shared=False),
+        "pair",
+        1,
+        2,
+    ),
+    RowSpec(
+        "2pc-2r-llr",
+        "twopc PG (last) + 2 Redis (one client)",
+        lambda b, t, led: two_redis_setup(b, t, led, last=True),
+        "pair",
+        1,
+        2,
+    ),
+    RowSpec(
+        "llr-2r-2c",
+        "twopc PG (last) + 2 Redis (two clients)",
+        lambda b, t, led: two_redis_setup(b, t, led, last=True, shared=False),
+        "pair",
+        1,
+        2,
     ),
 )
 
@@ -463,7 +542,8 @@ def run_row(bench: Bench, spec: RowSpec, threads: int, seconds: float, warmup: f
     with contextlib.closing(bench.redis()) as r:
         problems += check_counters(r, ledger, measured.committed)
         if ledger.namespace is not None:
-            problems += check_namespace(r, ledger.namespace, measured.committed)
+            branches = measured.committed * spec.redis_branches
+            problems += check_namespace(r, ledger.namespace, branches)
     if problems:
         raise BenchError(f"{spec.key} at {threads} threads: " + "; ".join(problems[:5]))
     return measured
@@ -501,7 +581,7 @@ def print_table(
 ) -> None:
     spread = "  tx/s min-max" if rounds > 1 else ""
     print(
-        f"{'thr':>3}  {'row':<9} {'what':<42} {'tx/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'thr':>3}  {'row':<10} {'what':<42} {'tx/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'CPU us':>7} {'x ref':>12}{spread}"
     )
     for threads in thread_counts:
@@ -515,7 +595,7 @@ def print_table(
                 else ""
             )
             line = (
-                f"{threads:>3}  {spec.key:<9} {spec.label:<42} {rate:>7,.0f}"
+                f"{threads:>3}  {spec.key:<10} {spec.label:<42} {rate:>7,.0f}"
                 f" {p50:>7.2f} {p99:>7.2f} {cpu:>7,.0f} {vs:>12}"
             )
             if rounds > 1:
@@ -538,19 +618,24 @@ def print_targets(results: Results, thread_counts: list[int]) -> None:
                 continue
             got = ratio(results, key, ref, threads)
             print(
-                f"  [{'met   ' if got >= want else 'MISSED'}] {key:<9} vs {ref:<5} at {threads} "
+                f"  [{'met   ' if got >= want else 'MISSED'}] {key:<10} vs {ref:<5} at {threads} "
                 f"thread(s): {got:5.2f}x (target >= {want:.2f}x)"
             )
         for key, most in CPU_TARGETS:
             if (key, threads) in results:
                 cpu = median([m.cpu_us for m in results[(key, threads)]])
                 print(
-                    f"  [{'met   ' if cpu <= most else 'MISSED'}] {key:<9} CPU at {threads} "
+                    f"  [{'met   ' if cpu <= most else 'MISSED'}] {key:<10} CPU at {threads} "
                     f"thread(s): {cpu:,.0f} us/tx (target <= {most:,.0f} us)"
                 )
     print("context (not targets):")
     for threads in thread_counts:
-        pairs = (("1phase", "multi"), ("2pc", "sa-pair"))
+        pairs = (
+            ("1phase", "multi"),
+            ("2pc", "sa-pair"),
+            ("2pc-2r", "2pc-2r-2c"),  # one pipelined commit of both Redis branches vs two
+            ("2pc-2r-llr", "llr-2r-2c"),
+        )
         said = [
             f"{k} vs {ref} {ratio(results, k, ref, threads):.2f}x"
             for k, ref in pairs
