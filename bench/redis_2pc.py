@@ -84,6 +84,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -423,37 +424,14 @@ ROWS = (
         "pair",
         1,
     ),
-    RowSpec(
-        "2pc-2r",
-        "twopc PG + 2 Redis (one client), file log",
-        lambda b, t, led: two_redis_setup(b, t, led, last=False),
-        "pair",
-        1,
-        2,
-    ),
-    RowSpec(
-        "2pc-2r-2c",
-        "twopc PG + 2 Redis (two clients), file log",
-        lambda b, t, led: two_redis_setup(b, t, led, last=False, shared=False),
-        "pair",
-        1,
-        2,
-    ),
-    RowSpec(
-        "2pc-2r-llr",
-        "twopc PG (last) + 2 Redis (one client)",
-        lambda b, t, led: two_redis_setup(b, t, led, last=True),
-        "pair",
-        1,
-        2,
-    ),
-    RowSpec(
-        "llr-2r-2c",
-        "twopc PG (last) + 2 Redis (two clients)",
-        lambda b, t, led: two_redis_setup(b, t, led, last=True, shared=False),
-        "pair",
-        1,
-        2,
+    *(
+        RowSpec(key, label, partial(two_redis_setup, last=last, shared=shared), "pair", 1, 2)
+        for key, label, last, shared in (
+            ("2pc-2r", "twopc PG + 2 Redis (one client), file log", False, True),
+            ("2pc-2r-2c", "twopc PG + 2 Redis (two clients), file log", False, False),
+            ("2pc-2r-llr", "twopc PG (last) + 2 Redis (one client)", True, True),
+            ("llr-2r-2c", "twopc PG (last) + 2 Redis (two clients)", True, False),
+        )
     ),
 )
 
