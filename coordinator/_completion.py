@@ -22,10 +22,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, NoReturn
 
 from . import _last_resource, protocol
-from ._verbs import BATCH, LAZY, VERBS, learn
+from ._verbs import BATCH, LAZY, SEND, verbs_of_branches
 from .batch_commit import batch_committer, batches
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog, HeuristicRecord
+from .early_prepare import send_prepare, senders
 from .errors import (
     CompletionPending,
     FencedError,
@@ -327,6 +328,8 @@ def _phase_one(
     votes: dict[str, Vote | None] = {}
     if tx.runtime.parallel and len(branches) > 1:
         return _parallel_prepare(tx, branches)
+    if len(branches) > 1 and verbs_of_branches(branches) & SEND:
+        return _prepare_in_flight(tx, branches)
     for index, branch in enumerate(branches, 1):
         if tx.caller_gave_up or (index > 1 and tx.timed_out()):
             # no decision can follow (the log refuses one past the deadline): stop making
@@ -341,9 +344,62 @@ def _phase_one(
     return votes, None
 
 
-def _prepare_one(tx: Transaction, branch: Branch) -> tuple[Vote | None, BaseException | None]:
+def _prepare_in_flight(
+    tx: Transaction, branches: list[Branch]
+) -> tuple[dict[str, Vote | None], BaseException | None]:
+    """Sequential phase one with prepares in flight (`early_prepare`): send the prepares that
+    can be sent, prepare the other branches in order (stopping at a no or the deadline), then
+    read every vote in flight, whatever happened meanwhile: none is left unread."""
+    votes: dict[str, Vote | None] = {}
+    error: BaseException | None = None
+    pending: list[tuple[Branch, Callable[[], Vote]]] = []
+    sending = senders(branches)
+    sent = {b.resource.name for b in sending}
+    for branch in sending:
+        try:
+            pending.append((branch, send_prepare(branch)))
+        except Exception as exc:
+            log.info("branch %s voted no: %r", branch.xid, exc)
+            votes[branch.resource.name], error = None, exc
+            crash_point(f"tm.after_prepare.{len(votes)}")
+            break
+    for branch in branches if error is None else ():
+        if branch.resource.name in sent:
+            continue
+        if tx.caller_gave_up or tx.timed_out():  # a prepare is already out: check every time
+            tx.rollback_reason = "timeout"
+            error = TransactionTimedOut(f"{tx.gtrid} timed out", gtrid=tx.gtrid)
+            break
+        vote, error = _prepare_one(tx, branch)
+        votes[branch.resource.name] = vote
+        crash_point(f"tm.after_prepare.{len(votes)}")
+        if vote in (None, Vote.ROLLBACK):
+            break
+    return votes, _read_votes(tx, pending, votes, error)
+
+
+def _read_votes(
+    tx: Transaction,
+    pending: list[tuple[Branch, Callable[[], Vote]]],
+    votes: dict[str, Vote | None],
+    error: BaseException | None,
+) -> BaseException | None:
+    """Read every vote ``pending`` (each ``finish`` once, in order) into ``votes``; returns
+    ``error``, or the first no among them."""
+    for branch, finish in pending:
+        vote, refused = _prepare_one(tx, branch, finish)
+        votes[branch.resource.name] = vote
+        error = error or refused
+        crash_point(f"tm.after_prepare.{len(votes)}")
+    return error
+
+
+def _prepare_one(
+    tx: Transaction, branch: Branch, finish: Callable[[], Vote] | None = None
+) -> tuple[Vote | None, BaseException | None]:
+    """``branch``'s vote: its ``prepare``, or ``finish`` of a prepare in flight."""
     try:
-        vote = branch.resource.prepare(branch.xid)
+        vote = branch.resource.prepare(branch.xid) if finish is None else finish()
     except Exception as exc:
         log.info("branch %s voted no: %r", branch.xid, exc)
         return None, exc
@@ -357,24 +413,9 @@ def _parallel_prepare(
     tx: Transaction, branches: list[Branch]
 ) -> tuple[dict[str, Vote | None], BaseException | None]:
     pool = tx.runtime.branch_executor()
-    futures = [(b, pool.submit(b.resource.prepare, b.xid)) for b in branches]
+    pending = [(b, pool.submit(b.resource.prepare, b.xid).result) for b in branches]
     votes: dict[str, Vote | None] = {}
-    error: BaseException | None = None
-    for index, (branch, future) in enumerate(futures, 1):
-        vote, exc = _vote_from(tx, branch, future)
-        votes[branch.resource.name] = vote
-        error = error or exc
-        crash_point(f"tm.after_prepare.{index}")
-    return votes, error
-
-
-def _vote_from(
-    tx: Transaction, branch: Branch, future: Future[Vote]
-) -> tuple[Vote | None, BaseException | None]:
-    try:
-        return future.result(), None
-    except Exception as exc:
-        return None, exc
+    return votes, _read_votes(tx, pending, votes, None)
 
 
 def _abort(tx: Transaction, names: tuple[str, ...], error: BaseException | None) -> NoReturn:
@@ -442,10 +483,7 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
-    verbs = 0  # the optional verbs (`_verbs`) of any branch: one lookup per branch, inline
-    for branch in branches:
-        found = VERBS.get(type(branch.resource))
-        verbs |= found if found is not None else learn(type(branch.resource))
+    verbs = verbs_of_branches(branches)
     # a latch only where a branch can commit lazily: the plain path allocates nothing
     latch = EndLatch() if verbs & LAZY else None
     grouped = batches(branches) if verbs & BATCH and len(branches) > 1 else None

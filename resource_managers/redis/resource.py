@@ -256,6 +256,40 @@ class RedisResource:
     # -- phase one ---------------------------------------------------------------------------------
 
     def prepare(self, xid: Xid) -> Vote:
+        staged = self._stage(xid)
+        if isinstance(staged, Vote):
+            return staged
+        branch, keys, args, touched = staged
+        return self._voted(branch, self._run_waiting("prepare", keys, args, branch), touched)
+
+    def send_prepare(self, xid: Xid) -> Callable[[], Vote]:
+        """``prepare(xid)`` with the script sent now and its reply read by the function returned
+        (`coordinator.early_prepare`), so the coordinator can prepare other branches meanwhile.
+
+        The script is the one ``prepare`` runs. A reply that is not final (a key locked by another
+        branch, the server's lost code, an error reply, a lost connection) makes the function run
+        the script again as ``prepare`` would (waiting for locks, reloading the code; a rerun of a
+        script that did run finds the branch prepared and votes no), so the vote is the one
+        ``prepare`` gives."""
+        staged = self._stage(xid)
+        if isinstance(staged, Vote):
+            vote = staged
+            return lambda: vote
+        branch, keys, args, touched = staged
+        read = self._scripts.send("prepare", keys, args)
+        crash_point(f"redis.{self._name}.after_prepare_send")
+
+        def finish() -> Vote:
+            reply = read()
+            if not isinstance(reply, list) or not reply or reply[0] == b"LOCKED":
+                reply = self._run_waiting("prepare", keys, args, branch)
+            return self._voted(branch, reply, touched)
+
+        return finish
+
+    def _stage(self, xid: Xid) -> Vote | tuple[RedisBranch, list[bytes], list[Any], list[bytes]]:
+        """Phase one up to the script: the branch's checks, then (branch, the prepare script's
+        KEYS and ARGV, the keys it locks); or the vote of a branch with nothing to promise."""
         branch = self._branch(xid)
         with branch.lock:
             branch.check_active()
@@ -269,14 +303,17 @@ class RedisResource:
         touched, watch_args, packed = branch.plan()
         gid = branch.gid
         keys = [self._tx(gid), self._ws(gid), self._prepared, *self._locks(touched), *touched]
-        head: list[bytes | str | int] = [gid, self.prefix, len(touched), len(branch.watches)]
+        args = [gid, self.prefix, len(touched), len(branch.watches), *watch_args, packed]
         crash_point(f"redis.{self._name}.after_stage")
-        reply = self._run_waiting("prepare", keys, [*head, *watch_args, packed], branch)
+        return branch, keys, args, touched
+
+    def _voted(self, branch: RedisBranch, reply: list[bytes], touched: list[bytes]) -> Vote:
+        """The vote the prepare script's ``reply`` gives; a refusal raises (votes no)."""
         if reply[0] != b"OK":
             self._refuse(branch, reply)
         crash_point(f"redis.{self._name}.after_prepare_marker")
         with self._lock:
-            self._staged[xid] = touched
+            self._staged[branch.xid] = touched
         self._end(branch)
         return Vote.COMMIT
 

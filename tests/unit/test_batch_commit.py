@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import CompletionPending, HeuristicMixed, Outcome, crashpoints
+from coordinator import CompletionPending, HeuristicMixed, Outcome
 from coordinator.batch_commit import Answer
 from coordinator.resource import Resource
 from coordinator.xid import Xid
 from tests.support.file_resource import COMMITTED, PREPARED, FileResource, read_state
 from tests.support.managers import make_manager
+from tests.support.trace import traced
 
 
 class Batching(FileResource):
@@ -62,12 +63,8 @@ def test_branches_sharing_a_key_commit_in_one_batch_in_commit_order(
     resources: tuple[Batching, FileResource, Batching], tmp_path: Path, managers: list
 ) -> None:
     tm = make_manager(managers, list(resources))
-    seen: list[str] = []
-    crashpoints.observe(seen.append)
-    try:
+    with traced() as seen:
         gtrid, outcome = transfer(tm, resources)
-    finally:
-        crashpoints._observers.remove(seen.append)
     assert outcome == Outcome.COMMITTED
     assert Batching.calls == [["a", "c"]]
     assert states(tmp_path, gtrid) == [COMMITTED] * 3

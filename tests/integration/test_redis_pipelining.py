@@ -1,10 +1,13 @@
-"""Phase two of several Redis branches on one connection pool in one pipelined round trip
-(`coordinator.batch_commit`), against a real redis-server: the batch is taken, what it costs in
-round trips, and every way a pipelined commit can fail ends as individual commits would."""
+"""Redis round trips that overlap, against a real redis-server: phase two of several branches on
+one connection pool in one pipelined round trip (`coordinator.batch_commit`), and the prepare
+script in flight while other branches prepare (`coordinator.early_prepare`). Every way either can
+fail ends as the plain one-call-at-a-time path would."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,8 +17,11 @@ from redis.connection import Connection
 from coordinator import Outcome, Vote, Xid, crashpoints
 from coordinator.batch_commit import batches
 from coordinator.transaction import Branch
-from resource_managers.redis import RedisResource
+from resource_managers.postgres import PostgresResource
+from resource_managers.redis import BranchConflict, RedisResource
 from tests.support.managers import make_manager
+from tests.support.pg import ledger_engine, move
+from tests.support.trace import traced
 
 
 @pytest.fixture
@@ -29,10 +35,8 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def seen() -> Iterator[list[str]]:
-    points: list[str] = []
-    crashpoints.observe(points.append)
-    yield points
-    crashpoints._observers.remove(points.append)
+    with traced() as points:
+        yield points
 
 
 class Trips:
@@ -69,12 +73,14 @@ def test_two_branches_on_one_client_commit_in_one_round_trip(
     with tm.transaction() as tx:
         tx.join(a).set("ka", "1")
         tx.join(b).set("kb", "1")
-    assert trips.count == 3  # two prepares, one pipelined commit
+    assert trips.count == 3  # two prepares (sent before either reply is read), one commit
     assert client.mget("ka", "kb") == [b"1", b"1"]
     assert [p for p in seen if p.startswith("redis.")] == [
         "redis.a.after_stage",
-        "redis.a.after_prepare_marker",
+        "redis.a.after_prepare_send",  # both prepares in flight (`early_prepare`)
         "redis.b.after_stage",
+        "redis.b.after_prepare_send",
+        "redis.a.after_prepare_marker",
         "redis.b.after_prepare_marker",
         "redis.a.after_batch_send",
         "redis.b.after_batch_send",
@@ -168,3 +174,69 @@ def test_a_server_gone_leaves_every_branch_to_recovery(client: redis.Redis) -> N
     assert (a.recover(), b.recover()) == ([xa], [xb])
     assert a.commit(xa) is None and b.commit(xb) is None
     assert client.mget("ka", "kb") == [b"v1", b"v2"]
+
+
+# -- the prepare in flight -------------------------------------------------------------------------
+
+
+def test_the_prepare_script_is_in_flight_while_postgresql_prepares(
+    client: redis.Redis, make_pg_database: Callable[[], str], managers: list, seen: list[str]
+) -> None:
+    engine = ledger_engine(make_pg_database())
+    tm = make_manager(managers, [PostgresResource(engine, "pg"), RedisResource(client, "cache")])
+    with tm.transaction() as tx:
+        move(tx.join(tm.resource("pg")), "t1", 1, -10)
+        tx.join(tm.resource("cache")).incrby("balance:2", 10)
+    engine.dispose()
+    steps = [p for p in seen if p.split(".")[0] in ("redis", "postgres") or "decision" in p]
+    assert steps[:5] == [
+        "redis.cache.after_stage",
+        "redis.cache.after_prepare_send",
+        "postgres.pg.after_prepare",
+        "redis.cache.after_prepare_marker",
+        "tm.before_decision_write",
+    ]
+    assert client.get("balance:2") == b"10"
+
+
+def in_flight(resource: RedisResource, n: int, key: str, value: str) -> Callable[[], Vote]:
+    xid = Xid.branch_of(f"node-1:f-{n}", resource.name)
+    resource.start(xid).set(key, value)
+    return resource.send_prepare(xid)
+
+
+def test_a_locked_key_in_flight_waits_as_prepare_does(client: redis.Redis) -> None:
+    patient = RedisResource(client, "cache", lock_wait=5)
+    first = prepared(patient, 1, "k")
+    finish = in_flight(patient, 2, "k", "second")  # LOCKED comes back: wait, as prepare does
+    threading.Timer(0.1, patient.commit, [first]).start()
+    assert finish() == Vote.COMMIT
+    patient.commit(Xid.branch_of("node-1:f-2", "cache"))
+    assert client.get("k") == b"second"
+
+
+def test_lost_functions_in_flight_are_loaded_again(client: redis.Redis) -> None:
+    cache = RedisResource(client, "cache")
+    prepared_one = prepared(cache, 1, "k1")  # the library is loaded
+    client.function_flush()
+    client.script_flush()
+    assert in_flight(cache, 2, "k2", "v")() == Vote.COMMIT
+    cache.commit(prepared_one)
+    cache.commit(Xid.branch_of("node-1:f-2", "cache"))
+    assert client.mget("k1", "k2") == [b"v1", b"v"]
+
+
+def test_a_refusal_in_flight_votes_no(client: redis.Redis) -> None:
+    cache = RedisResource(client, "cache")
+    xid = Xid.branch_of("node-1:f-1", "cache")
+    branch = cache.start(xid)
+    branch.watch("w")
+    branch.set("k", "v")
+    client.set("w", "changed")
+    finish = cache.send_prepare(xid)
+    started = time.monotonic()
+    with pytest.raises(BranchConflict, match="changed"):
+        finish()
+    assert time.monotonic() - started < 1
+    cache.rollback(xid)
+    assert client.get("k") is None
