@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, NoReturn
@@ -380,7 +380,7 @@ def _prepare_in_flight(
 
 def _read_votes(
     tx: Transaction,
-    pending: list[tuple[Branch, Callable[[], Vote]]],
+    pending: Sequence[tuple[Branch, Callable[[], Vote]]],
     votes: dict[str, Vote | None],
     error: BaseException | None,
 ) -> BaseException | None:
