@@ -326,9 +326,10 @@ def _phase_one(
     """Collect votes; stop at the first no (sequential) or wait for all (parallel)."""
     crash_point("tm.before_prepare")
     votes: dict[str, Vote | None] = {}
+    tx.verbs = verbs_of_branches(branches)
     if tx.runtime.parallel and len(branches) > 1:
         return _parallel_prepare(tx, branches)
-    if len(branches) > 1 and verbs_of_branches(branches) & SEND:
+    if tx.verbs & SEND and len(branches) > 1:
         return _prepare_in_flight(tx, branches)
     for index, branch in enumerate(branches, 1):
         if tx.caller_gave_up or (index > 1 and tx.timed_out()):
@@ -483,7 +484,7 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
-    verbs = verbs_of_branches(branches)
+    verbs = tx.verbs  # phase one looked them up: these branches are among the ones it asked
     # a latch only where a branch can commit lazily: the plain path allocates nothing
     latch = EndLatch() if verbs & LAZY else None
     grouped = batches(branches) if verbs & BATCH and len(branches) > 1 else None
