@@ -99,6 +99,9 @@ class Transaction:
         self.reaped = False
         #: decided, and phase two handed to a background worker (``async_phase_two``)
         self.handed_off = False
+        #: the optional verbs (`_verbs`) of the branches phase one asked: phase two's are among
+        #: them, so it need not look again
+        self.verbs = 0
         #: (phase, seconds) measured by completion, recorded into the metrics in one go
         self.timings: list[tuple[str, float]] = []
         #: branches told to roll back that did not confirm it: they may still hold this attempt's
