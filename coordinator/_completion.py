@@ -1,7 +1,8 @@
 """Drives a transaction to its end: the I/O around the pure rules in `protocol`.
 
 The ordering rules this module enforces (each marked by a crash point):
-- Nothing is logged before every branch voted; a no vote rolls back and logs nothing.
+- Nothing is logged before every branch voted (a prepare in flight, `early_prepare`, is read
+  before the tally like any other vote); a no vote rolls back and logs nothing.
 - The COMMIT record is forced before any branch is told to commit: that write is the commit point.
 - END is written only after every branch has committed, and it need not be forced; with a branch
   whose commit record is lazy (`lazy_commit`), only once that record is durable.
@@ -325,7 +326,9 @@ def _phase_two_behind(
 def _phase_one(
     tx: Transaction, branches: list[Branch]
 ) -> tuple[dict[str, Vote | None], BaseException | None]:
-    """Collect votes; stop at the first no (sequential) or wait for all (parallel)."""
+    """Collect votes; stop at the first no (sequential) or wait for all (parallel). With two or
+    more branches, prepares that can be in flight (`early_prepare`) are sent first and read last,
+    always. Either way every vote asked for is read before this returns."""
     crash_point("tm.before_prepare")
     votes: dict[str, Vote | None] = {}
     tx.verbs = verbs_of_branches(branches)

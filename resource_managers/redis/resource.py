@@ -269,7 +269,7 @@ class RedisResource:
         The script is the one ``prepare`` runs. A reply that is not final (a key locked by another
         branch, the server's lost code, an error reply, a lost connection) makes the function run
         the script again as ``prepare`` would (waiting for locks, reloading the code; a rerun of a
-        script that did run finds the branch prepared and votes no), so the vote is the one
+        script that did run answers OK, as a repeated prepare does), so the vote is the one
         ``prepare`` gives."""
         staged = self._stage(xid)
         if isinstance(staged, Vote):

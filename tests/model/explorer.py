@@ -35,6 +35,13 @@ volatile branch back into a prepared one; END (or, with a last resource, the row
 until no branch is volatile (``State.deferred_end``, the `EndLatch`), and recovery's commit of a
 volatile branch flushes it. ``eager_end=True`` drops that wait, to prove the checks catch it.
 
+With ``in_flight=k`` the last ``k`` preparing participants send their prepares first
+(`coordinator.early_prepare`; the Redis branches beside PostgreSQL): each is asked in turn, its
+answer taking effect at once but heard only later, so a no among them stops nothing, while a send
+that fails stops phase one there; then the others are asked in sort order, stopping at the first
+no; only then is anything tallied. ``guess_in_flight=True`` tallies as if every vote still in
+flight were a commit, to prove the checks catch a decision made before every vote is read.
+
 A crash is modelled as the resources see it: unprepared work dies with its session (an active
 branch becomes rolled back), prepared branches and the durable log survive, the coordinator's
 memory (votes, results) is gone, and the caller hears nothing more.
@@ -62,6 +69,8 @@ INVARIANTS = (
 #: not one of the protocol's invariants: a state that is neither finished nor able to move means
 #: the model itself is wrong, and every other check would then pass vacuously.
 PROGRESS = "progress"
+#: a preparer phase one did not ask (``in_flight``: votes are kept by position, not by order)
+UNASKED = "unasked"
 
 
 class Part(enum.Enum):
@@ -175,7 +184,7 @@ class State(NamedTuple):
     pc: Pc
     #: the answers phase one got, in sort order (None: raised). A ghost variable: the coordinator
     #: forgets it in a crash, but the invariants need it to judge what the caller was told.
-    votes: tuple[Vote | None, ...]
+    votes: tuple[Vote | str | None, ...]
     crashes_left: int
     outages_left: int
     recovery_crashes: int  # how many crashes hit recovery itself
@@ -309,6 +318,8 @@ class Explorer:
         last: bool = False,
         lazy: bool = False,
         eager_end: bool = False,
+        in_flight: int = 0,
+        guess_in_flight: bool = False,
     ) -> None:
         self.rules = rules or Rules()
         self.lazy = lazy
@@ -317,6 +328,11 @@ class Explorer:
         #: the logging last resource (the last name) when ``last``; the others prepare
         self.last = self.names[-1] if last else None
         self.preparers = self.names[:-1] if last else self.names
+        #: the order phase one asks the preparers in (indexes): those in flight first
+        self.senders = frozenset(range(len(self.preparers) - in_flight, len(self.preparers)))
+        self.ask_order = (*sorted(self.senders), *(i for i in range(len(self.preparers))
+                                                   if i not in self.senders))  # fmt: skip
+        self.guess_in_flight = guess_in_flight
         self.position = {name: i for i, name in enumerate(self.names)}
         self.crashes = crashes
         self.outages = outages
@@ -339,7 +355,10 @@ class Explorer:
 
     def initial(self) -> State:
         parts = (Part.ACTIVE,) * len(self.names)
-        return State(parts, Log(), Told.NOTHING, Pc(Step.START), (), self.crashes, self.outages, 0)
+        votes = (UNASKED,) * len(self.preparers) if self.senders else ()
+        return State(
+            parts, Log(), Told.NOTHING, Pc(Step.START), votes, self.crashes, self.outages, 0
+        )
 
     # -- search ------------------------------------------------------------------------------
 
@@ -397,6 +416,8 @@ class Explorer:
         step, i = pc.step, pc.at
         if step in (Step.PREPARE, Step.ABORT, Step.COMMIT, Step.REC_COMMIT):
             names = self.preparers if step is Step.PREPARE else pc.names
+            if step is Step.PREPARE:
+                i = self.ask_order[i]
             verb = {Step.PREPARE: "prepare", Step.ABORT: "rollback"}.get(step, "commit")
             where = "in recovery " if step is Step.REC_COMMIT else ""
             return f"{where}before {verb} {names[i]}"
@@ -490,6 +511,8 @@ class Explorer:
         return [(label, state._replace(pc=pc)) for label, pc in found]
 
     def _prepare(self, state: State) -> Successors:
+        if self.senders:
+            return self._prepare_in_flight(state)
         i = state.pc.at
         found: Successors = []
         for label, vote, part in _PREPARE_ANSWERS:
@@ -500,9 +523,33 @@ class Explorer:
             found.append((f"prepare {self.preparers[i]}: {label}", nxt))
         return found
 
-    def _tally(self, votes: tuple[Vote | None, ...]) -> Pc:
+    def _prepare_in_flight(self, state: State) -> Successors:
+        """The ``at``-th ask of `ask_order`: a send (its answer heard only at the tally, so a no
+        stops nothing, but a failed send stops phase one) or a plain prepare."""
+        k = state.pc.at
+        i = self.ask_order[k]
+        sender = i in self.senders
+        answers = [(label, vote, part, not sender and vote in (None, Vote.ROLLBACK))
+                   for label, vote, part in _PREPARE_ANSWERS]  # fmt: skip
+        if sender:
+            answers.append(("the send fails, nothing prepared", None, Part.ACTIVE, True))
+        found: Successors = []
+        for label, vote, part, stop in answers:
+            votes = (*state.votes[:i], vote, *state.votes[i + 1 :])
+            pc = (
+                self._tally(votes)
+                if stop or k + 1 == len(self.ask_order)
+                else Pc(Step.PREPARE, k + 1)
+            )
+            nxt = state._replace(parts=_set(state.parts, i, part), votes=votes, pc=pc)
+            found.append((f"{'send' if sender else 'prepare'} {self.preparers[i]}: {label}", nxt))
+        return found
+
+    def _tally(self, votes: tuple[Vote | str | None, ...]) -> Pc:
         # A branch never asked (an earlier one said no) is missing from the map, as in the driver.
-        asked = dict(zip(self.preparers, votes, strict=False))
+        asked = {n: v for n, v in zip(self.preparers, votes, strict=False) if v is not UNASKED}
+        if self.guess_in_flight:  # the bug the driver must not have: not waiting for the reads
+            asked |= {self.preparers[i]: Vote.COMMIT for i in self.senders if votes[i] != UNASKED}
         result = self.rules.tally(self.preparers, asked)
         tail = (self.last,) if self.last else ()
         if result.verdict is Verdict.ABORT:

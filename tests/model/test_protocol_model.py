@@ -267,3 +267,39 @@ def test_lazy_checker_catches_an_end_before_the_records(last: bool) -> None:
         crashes=CRASHES, outages=OUTAGES, last=last, lazy=True, eager_end=True
     ).explore(stop_on="lazy_covered")
     assert "lazy_covered" in found.violations, sorted(found.violations)
+
+
+# -- prepares in flight ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["file log", "last resource"])
+def in_flight_report(request: pytest.FixtureRequest) -> Report:
+    """Two prepares in flight: b and c beside a (file log, as the Redis crash matrix runs), or
+    both preparers beside the last resource."""
+    return Explorer(crashes=CRASHES, outages=OUTAGES, last=request.param, in_flight=2).explore()
+
+
+@pytest.mark.parametrize("invariant", [*INVARIANTS, PROGRESS])
+def test_in_flight_invariant_holds_in_every_state(in_flight_report: Report, invariant: str) -> None:
+    """Prepares sent first and read after the others (`coordinator.early_prepare`)."""
+    print(
+        f"in-flight model: {in_flight_report.states} states, {in_flight_report.terminal} terminal"
+    )
+    found = in_flight_report.violations.get(invariant, [])
+    assert not found, f"{invariant} violated ({len(found)} shortest traces shown):\n" + (
+        "\n\n".join(found)
+    )
+
+
+def test_in_flight_model_asks_every_preparer(in_flight_report: Report) -> None:
+    assert {f"before prepare {n}" for n in "ab"} <= in_flight_report.crash_sites
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["file log", "last resource"])
+def test_in_flight_checker_catches_a_decision_before_every_vote_is_read(last: bool) -> None:
+    """Tallying a vote still in flight as a commit: a sender that votes no is rolled back while
+    the others commit."""
+    found = Explorer(
+        crashes=CRASHES, outages=OUTAGES, last=last, in_flight=2, guess_in_flight=True
+    ).explore(stop_on="atomicity")
+    assert "atomicity" in found.violations, sorted(found.violations)
