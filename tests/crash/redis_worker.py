@@ -171,6 +171,11 @@ def run(args: argparse.Namespace, plan: list[str]) -> int:
         wrote = work(tm, tx, args, kind)
         say("BEGIN", tx.gtrid, kind, ",".join(wrote))
         finish(tx)
+        if args.async_phase_two:
+            # the next transaction's incrby reads b's balance: read before this one's commit
+            # landed, its watch would vote no (asynchronous phase two gives up read-your-writes),
+            # and the scenario's transaction would roll back instead of reaching its point
+            tm.await_settled(tx, 30.0)
     say("DONE")
     tm.close()
     return 0
