@@ -1,5 +1,5 @@
 """``twopc subscription``, ``twopc dlq`` and ``twopc queue``: a cursor's administration from the
-command line (subscriptions, seed 003; dead letters and non-transactional queues, seed 004).
+command line (subscriptions, JMS; dead letters and non-transactional queues, MSMQ).
 
 Each command works **online** (``--connect HOST:PORT``, with the secret and TLS flags of
 ``twopc serve``) against a running ``twopc serve cursor``, through `RemoteCursor`, or **offline**

@@ -1,8 +1,8 @@
 """The consumer helper: receive, handle, commit, in one transaction per batch.
 
-Seed 000's delivery side as a loop. Each round begins a transaction, receives up to ``batch``
-messages from the cursor (local `CursorResource` or `messaging.remote.RemoteCursor`), calls the
-user's handler for each with the transaction, so the handler joins its own resources
+The delivery side of US 8,200,836 as a loop. Each round begins a transaction, receives up to
+``batch`` messages from the cursor (local `CursorResource` or `messaging.remote.RemoteCursor`),
+calls the user's handler for each with the transaction, so the handler joins its own resources
 (``tx.join(pg)``...), and commits: the database work and the deletion of the messages commit or
 roll back together, which is what makes consumption exactly-once. A handler that raises rolls the
 round back: its messages come back with ``redelivered`` set and their count raised, and after the

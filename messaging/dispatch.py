@@ -1,30 +1,31 @@
-"""Concurrent publishing that keeps each publisher's order (seed 002, IPCOM000031305D).
+"""Concurrent publishing that keeps each publisher's order (IPCOM000031305D).
 
 JMS requires that each subscriber sees one publisher's publications in the order they were
 published. When publications wait in a queue, the easy way to keep that order is one global lock
 around "read, then deliver" (`GlobalLockDispatcher`), which leaves every worker but one idle.
-Seed 002 ("Concurrent publishing with ordering in a queued JMS publish/subscribe environment",
-the MQSeries broker) keeps the order with several workers, and `Dispatcher` follows it:
+IBM's disclosure IPCOM000031305D ("Concurrent publishing with ordering in a queued JMS
+publish/subscribe environment", the MQSeries broker) keeps the order with several workers, and
+`Dispatcher` follows it:
 
 1. Reading the input queue is serialised by one *input lock* (one MQGET at a time), so the order
    in which workers take publications is the order of the queue.
 2. Still holding the input lock, the worker looks the publisher up. If another worker is already
    publishing for it, the worker joins that publisher's FIFO of waiting workers; otherwise it
    records itself as that publisher's publisher. Then it releases the input lock. The input lock
-   is never held while a worker delivers or waits its turn ("vitally important", says the seed),
-   so other workers keep reading.
+   is never held while a worker delivers or waits its turn ("vitally important", says the
+   disclosure), so other workers keep reading.
 3. A worker that finishes delivering hands the publisher over to the first worker in its FIFO, or
    clears the publisher if the FIFO is empty, and goes back to reading.
 
 So each publisher's publications are delivered in the order they were read, and different
-publishers are delivered in parallel. The seed's text is truncated after "checks to see i..."; the
-hand-over in step 3 is the completion the rest of the text implies.
+publishers are delivered in parallel. The disclosure's text is truncated after "checks to see
+i..."; the hand-over in step 3 is the completion the rest of the text implies.
 
-Parked workers are the only buffer, so memory is bounded by ``workers`` and back-pressure stays
-in the input queue, which is durable in a broker. The price, inherited from the seed: a publisher
-with a backlog of ``workers`` or more publications at the head of the queue parks every worker,
-and other publishers wait until its deliveries drain (head-of-line blocking). A hot publisher
-whose backlog stays below ``workers`` does not hold the others up.
+Parked workers are the only buffer, so memory is bounded by ``workers`` and back-pressure stays in
+the input queue, which is durable in a broker. The price, inherited from the disclosure: a publisher
+with a backlog of ``workers`` or more publications at the head of the queue parks every worker, and
+other publishers wait until its deliveries drain (head-of-line blocking). A hot publisher whose
+backlog stays below ``workers`` does not hold the others up.
 
 The publisher table has its own short *table lock* (lock order: input lock, then table lock), so
 a finishing worker can hand over without waiting for a reader that is blocked in ``get``.
@@ -64,7 +65,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Publication:
     """One publish request: ``seq`` is the publisher's own number, kept for auditing only; order
-    is the order the source yields, as in the seed, never a re-sort by ``seq``."""
+    is the order the source yields, as in the disclosure, never a re-sort by ``seq``."""
 
     publisher_id: str
     seq: int
@@ -138,7 +139,7 @@ class _BaseDispatcher:
         self._source, self._deliver, self._workers = source, deliver, workers
         self._max_attempts, self._poll = max_attempts, poll_interval
         self._backoff: Backoff = backoff or ExponentialBackoff(base=0.01, cap=0.5)
-        self._input_lock = threading.Lock()  # one reader of the source at a time (seed 002)
+        self._input_lock = threading.Lock()  # one reader of the source at a time (IPCOM000031305D)
         self._table_lock = threading.Lock()  # publisher table, counters, failure; after input
         self._stopping = False  # checked by each reader before it starts another get
         self._draining = False
@@ -252,7 +253,7 @@ class _BaseDispatcher:
 
 
 class Dispatcher(_BaseDispatcher):
-    """Seed 002's dispatcher: one input lock for reading, one FIFO of waiting workers per
+    """IPCOM000031305D's dispatcher: one input lock for reading, one FIFO of waiting workers per
     publisher, hand-over on completion. ``deliver(publication)`` delivers to every subscriber and
     may block; it runs on the worker threads, several at once for different publishers, never at
     once for one publisher."""
@@ -287,7 +288,7 @@ class Dispatcher(_BaseDispatcher):
                 if publication is None:
                     continue
                 waiter = self._claim(publication)
-            # The input lock is released before waiting or delivering (the seed's vital rule).
+            # The input lock is released before waiting or delivering (the disclosure's vital rule).
             if waiter is not None:
                 waiter.turn.wait()
             self._publish(publication)
@@ -317,7 +318,7 @@ class Dispatcher(_BaseDispatcher):
 
 
 class GlobalLockDispatcher(_BaseDispatcher):
-    """The baseline the seed improves on: one lock held across read and deliver. Order is kept
+    """The baseline the disclosure improves on: one lock held across read and deliver. Order is kept
     trivially and only one delivery runs at a time, however many workers there are."""
 
     def _work(self) -> None:

@@ -1,17 +1,17 @@
-"""Topic fan-out: seed 002's ordered concurrent dispatch over the cursor's topic input, with seed
-001's duplicate elimination when it recovers.
+"""Topic fan-out: ordered concurrent dispatch (IPCOM000031305D) over the cursor's topic input, with
+the duplicate elimination of US 7,480,918 when it recovers.
 
 A publication (a message sent to ``topic:<name>``) waits in the cursor's *topic input* until a
 `TopicDispatcher` worker copies it into every subscription queue. Two promises must survive
 several workers and ``kill -9``:
 
-- **Per-publisher order** (JMS; seed 002, IPCOM000031305D). The workers are a
+- **Per-publisher order** (JMS; IPCOM000031305D, IPCOM000031305D). The workers are a
   `messaging.dispatch.Dispatcher`: reading the topic input is serialised by its input lock, so
   the order workers take publications in is the topic input's order, and its per-publisher FIFO
   of parked workers delivers one publisher's publications one at a time, in that order, while
   other publishers' run in parallel. A publisher is ``message.publisher`` (the ``publisher=``
   send option, else the destination).
-- **Every copy exactly once** (seed 001, US 7,480,918). Taking a publication writes it to the
+- **Every copy exactly once** (US 7,480,918). Taking a publication writes it to the
   cursor's *in-doubt list* with the queues it must reach; each copy goes into its queue in one
   record with an entry in the *monitor queue* naming the thread that made it; finishing removes
   the publication from the in-doubt list. When delivery fails (the process died, or a worker gave
@@ -56,7 +56,7 @@ DEFAULT_DISPATCH_WORKERS = 4
 
 class TopicStore(Protocol):
     """What the dispatcher needs of the cursor (`resource_managers.cursor.Cursor` has it): the
-    topic input, the in-doubt list and the monitor queue of seed 001."""
+    topic input, the in-doubt list and the monitor queue of US 7,480,918."""
 
     def next_publication(
         self, worker: str, timeout: float | None = 0.0
@@ -78,7 +78,7 @@ class TopicStats:
     ``copies`` are the copies workers put in subscription queues; ``skipped`` the copies
     ``deliver_copy`` refused (the monitor queue had them: a retried delivery; or the subscription
     was gone). ``recovered`` are the copies recovery put in, ``recovery_skipped`` those it found
-    in the monitor queue already: each one a duplicate seed 001 prevented.
+    in the monitor queue already: each one a duplicate US 7,480,918 prevented.
     ``recovery_restarts`` counts recovery passes that failed and started over."""
 
     read: int = 0
@@ -301,10 +301,10 @@ class TopicDispatcher:
         self._counters.add(finished=1)
         crash_point("dispatch.after_finish")
 
-    # -- recovery (seed 001) ---------------------------------------------------------------------
+    # -- recovery (US 7,480,918) -----------------------------------------------------------------
 
     def _recover_until_done(self) -> bool:
-        """Seed 001's recovery thread: passes over the in-doubt list until one completes, each
+        """US 7,480,918's recovery thread: passes over the in-doubt list until one completes, each
         failed pass followed by back-off and a fresh start from the top. False if stopped."""
         self._counters.add(recovery_runs=1)
         by = f"recovery-{self._counters.get('recovery_runs')}"

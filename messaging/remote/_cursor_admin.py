@@ -1,5 +1,5 @@
-"""`RemoteCursor`'s administration, client side: subscriptions (seed 003), dead letters and
-non-transactional queues (seed 004), the same calls as on a local `Cursor`; `admin` is the server
+"""`RemoteCursor`'s administration, client side: subscriptions (JMS), dead letters and
+non-transactional queues (MSMQ), the same calls as on a local `Cursor`; `admin` is the server
 side.
 
 Why a module of its own: these calls ride on the consumer role's connections but belong to no
@@ -140,7 +140,7 @@ class CursorAdmin(_RemoteResource):
 
     def set_transactional(self, queue: str, transactional: bool) -> None:
         """Mark ``queue`` (non-)transactional: a non-transactional queue rejects transactional
-        messages to its DLQ, with a negative acknowledgment to their admin queue (seed 004)."""
+        messages to its DLQ, with a negative acknowledgment to their admin queue (MSMQ)."""
         args: dict[str, Value] = {"queue": queue, "transactional": transactional}
         self._admin("set_transactional", args, lambda r: None, idempotent=True)
 

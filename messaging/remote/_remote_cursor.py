@@ -93,8 +93,8 @@ class RemoteConsumerBranch:
 
 class RemoteCursor(CursorAdmin):
     """A cursor served by ``twopc serve cursor``, as a resource manager (role ``consumer``), and
-    its administration: subscriptions (seed 003), dead letters and non-transactional queues
-    (seed 004), the same calls as on a local `Cursor` (see `CursorAdmin`, which also explains
+    its administration: subscriptions (JMS), dead letters and non-transactional queues
+    (MSMQ), the same calls as on a local `Cursor` (see `CursorAdmin`, which also explains
     why attachments live on one connection, and `messaging.remote.admin`).
 
     ``name`` is the bqual (the server keeps one resource per name, with its own

@@ -1,5 +1,5 @@
-"""The consumer service's administrative requests: subscriptions (seed 003), dead letters and
-non-transactional queues (seed 004), for `RemoteCursor` and ``twopc subscription|dlq|queue``.
+"""The consumer service's administrative requests: subscriptions (JMS), dead letters and
+non-transactional queues (MSMQ), for `RemoteCursor` and ``twopc subscription|dlq|queue``.
 
 Why they travel as ``XA_RECOVER`` requests with an ``op`` argument: recover is the one verb
 about a resource manager as a whole rather than a branch (it takes no xid), which is what an
@@ -7,7 +7,7 @@ administrative request is, and its ``args`` are open by design. A frame type of 
 a protocol change (an older peer refuses an unknown type as a bad frame), which this is not. A
 recover without ``op`` stays a recover; the producer service refuses any ``op``.
 
-Why an attachment belongs to a connection: a remote subscriber is "connected" (seed 003: copies
+Why an attachment belongs to a connection: a remote subscriber is "connected" (JMS: copies
 for a durable subscriber that is away are kept on disk even when non-persistent) only while it
 can actually receive, and all the server can see of that is its connection. So the connection
 that attached holds the attachment, only it can detach it, and when it ends (closed, reset, the

@@ -1,4 +1,4 @@
-"""JMS-style sessions over the message log and the cursor: the four acknowledgment modes (seed 003).
+"""JMS-style sessions over the message log and the cursor: the four acknowledgment modes (JMS).
 
 A `Session` is what a JMS client holds: it sends to the message log and receives from the
 cursor, and its `AckMode` says when what it received is *acknowledged*, that is when the cursor
@@ -12,7 +12,7 @@ exactly which transaction a crash can catch open:
 
 - ``AUTO``: one transaction per message, committed when the handler returns (`consume`) or, for
   `receive`, when the application comes back (the next receive, `acknowledge`, `close`). A crash
-  can only catch the last message, which comes back redelivered: seed 003's "only the most recent
+  can only catch the last message, which comes back redelivered: JMS's "only the most recent
   message received is subject to this ambiguity".
 - ``CLIENT``: the received messages accumulate in one transaction until `acknowledge` commits it
   (JMS: acknowledging one message acknowledges every message the session delivered); `recover`
@@ -27,10 +27,10 @@ exactly which transaction a crash can catch open:
   operation begins another. Nothing committed comes back; nothing rolled back is lost (received
   messages return redelivered, sent messages are never forwarded).
 
-Sending outside ``TRANSACTED`` is synchronous, as seed 003's producer: each `send` is its own
+Sending outside ``TRANSACTED`` is synchronous, as JMS's producer: each `send` is its own
 one-phase transaction on the log and returns only once the log has accepted responsibility
 (the forced record for a persistent message). Such messages are marked non-transactional
-(``transactional=False``), so a non-transactional queue accepts them (seed 004).
+(``transactional=False``), so a non-transactional queue accepts them (MSMQ).
 
 A session's transactions are its own: they are begun in a private `contextvars.Context`, so they
 never become the thread's current transaction, two sessions in one thread do not collide, and an

@@ -151,11 +151,11 @@ class Session:
         admin_queue: str | None = None,
     ) -> str | list[str]:
         """Send ``body`` to ``destination``, or one copy to each of a list (a distribution list,
-        seed 004; all copies or none); return the message id(s).
+        MSMQ; all copies or none); return the message id(s).
 
         ``TRANSACTED``: staged in the open transaction, forwarded only if `commit` commits it.
         Otherwise a transaction of its own that has committed when this returns: for a persistent
-        message the log has forced it to disk and accepted responsibility for it (seed 003).
+        message the log has forced it to disk and accepted responsibility for it (JMS).
         If it fails this raises: `TransactionRolledBack`, nothing was sent; `OutcomeUnknownError`
         (a remote log that stopped answering during the commit), it may have been."""
         producer = self._producer_resource()
@@ -323,7 +323,7 @@ class Session:
 
     def subscriber(self, topic: str, name: str | None = None) -> Subscriber:
         """Subscribe to ``topic`` and attach: durable under ``name`` (the subscription keeps
-        every publication while no subscriber is attached, and survives restarts, seed 003), or
+        every publication while no subscriber is attached, and survives restarts, JMS), or
         non-durable without one (it lives while this subscriber is attached). Receive from it
         with `Subscriber.receive`/`consume`, acknowledged as this session's mode says."""
         self._check_open()

@@ -1,4 +1,4 @@
-"""`Subscriber`: a session's attachment to a topic subscription (seed 003's durable
+"""`Subscriber`: a session's attachment to a topic subscription (JMS's durable
 subscribers)."""
 
 from __future__ import annotations

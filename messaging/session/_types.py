@@ -13,7 +13,7 @@ from resource_managers.message_log import Message
 
 
 class AckMode(enum.Enum):
-    """When a received message is acknowledged (deleted from the cursor); seed 003's modes."""
+    """When a received message is acknowledged (deleted from the cursor); JMS's modes."""
 
     AUTO = "auto"
     CLIENT = "client"
@@ -62,7 +62,7 @@ class ProducerHandle(Protocol):
 
 
 class TopicVerbs(Protocol):
-    """The subscription verbs of `CursorResource` and `RemoteCursor` (seed 003's topics)."""
+    """The subscription verbs of `CursorResource` and `RemoteCursor` (JMS's topics)."""
 
     def subscribe(self, topic: str, name: str, *, durable: bool = True) -> Subscription: ...
 
@@ -101,7 +101,7 @@ class SessionLike(Protocol):
 class Received:
     """A message as a session hands it out: the cursor's `Delivery` and the session it came by.
 
-    ``redelivered`` and ``delivery_count`` are seed 003's JMSRedelivered and its count: a message
+    ``redelivered`` and ``delivery_count`` are JMS's JMSRedelivered and its count: a message
     that comes back after a rollback, a `Session.recover` or a crash has ``redelivered`` set."""
 
     delivery: Delivery

@@ -34,7 +34,7 @@ from ._state import Credit, CursorState
 #: message per transaction force 1.36 records per message with 1, 1.00 with 4:
 #: ``bench/cursor_records.py``), and every pre-counted
 #: message not yet handed out is one a crash leaves flagged ``redelivered``, its count one high:
-#: with 1, that is the next message (or batch) per queue, close to seed 003's promise that only
+#: with 1, that is the next message (or batch) per queue, close to JMS's promise that only
 #: the most recent message is subject to the ambiguity.
 DEFAULT_PRECOUNT = 1
 

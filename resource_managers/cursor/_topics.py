@@ -1,4 +1,4 @@
-"""Topic names and the values the topic surface of `Cursor` returns (seed 003's publish/subscribe).
+"""Topic names and the values the topic surface of `Cursor` returns (JMS's publish/subscribe).
 
 A topic is a destination ``topic:<name>`` (no ``/``). Each subscription has a queue of its own,
 ``<topic>/<subscription name>``, where the dispatcher puts one copy of every publication; its

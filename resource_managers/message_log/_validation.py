@@ -195,7 +195,7 @@ def outgoing(
 ) -> list[Message]:
     """The messages one send stages: one per destination, each checked (`InvalidMessageError`
     for the first refusal, so a producer stages all or nothing). More than one destination is a
-    distribution list (seed 004): every copy carries the list's id in `LIST_HEADER`, and its own
+    distribution list (MSMQ): every copy carries the list's id in `LIST_HEADER`, and its own
     message id, since each destination consumes and acknowledges its copy on its own."""
     if isinstance(destinations, str) or not destinations:
         raise InvalidMessageError("a send needs one destination or a non-empty list of them")

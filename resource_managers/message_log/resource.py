@@ -57,9 +57,10 @@ class StagingBranch:
     (`messaging.remote.RemoteProducerBranch`): check and stage messages. Not thread-safe (one
     transaction).
 
-    A send that is refused raises at once and stages nothing. A refused distribution-list send
-    also *dooms* the branch: seed 004 says a failure to send to any destination of the list aborts
-    the whole transaction, so prepare then votes no even if the application caught the error."""
+    A send that is refused raises at once and stages nothing. A refused distribution-list send also
+    *dooms* the branch: MSMQ's documentation says a failure to send to any destination of the list
+    aborts the whole transaction, so prepare then votes no even if the application caught the
+    error."""
 
     name: str
 
@@ -119,7 +120,7 @@ class StagingBranch:
         transactional: bool = True,
         publisher: str | None = None,
     ) -> list[str]:
-        """Stage one copy of the message per destination (a distribution list, seed 004); return
+        """Stage one copy of the message per destination (a distribution list, MSMQ); return
         their ids. All copies commit or none: a refused copy stages nothing and dooms the
         branch, so the transaction rolls back."""
         try:
