@@ -38,6 +38,7 @@ from .errors import (
     TransientError,
     UnreplayableRecordError,
     UnsettledError,
+    WrongJournalError,
 )
 from .manager import InDoubt, TransactionManager, current
 from .recovery import RecoveryReport
@@ -81,6 +82,7 @@ __all__ = [
     "UnreplayableRecordError",
     "UnsettledError",
     "Vote",
+    "WrongJournalError",
     "Xid",
     "current",
 ]

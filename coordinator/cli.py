@@ -25,6 +25,7 @@ from .cli_edge import Exit, Parser, interrupted, most_urgent, pipe_closed, run_g
 from .cli_output import emit_json, readable, table, when
 from .cli_status import DEFAULT_OLDER_THAN, cmd_status, require_log_directory, summarize
 from .decision_log import HeuristicRecord, inspect_log
+from .decision_log._inspect import Decoder
 from .errors import ConfigurationError, InvalidXidError, NoHeuristicError
 from .manager import TransactionManager
 from .recovery import RecoveryReport
@@ -183,7 +184,9 @@ _INSPECT_KEYS = ("segment", "offset", "kind", "gtrid")
 
 
 def cmd_log_inspect(args: argparse.Namespace) -> int:
-    rows = inspect_log(_log_directory(args.directory))
+    """Every record of a journal of any kind (decision log, message log, cursor), read-only;
+    exit 0 on a healthy one, 1 when a NOTE row says something is wrong."""
+    rows = inspect_log(_log_directory(args.directory), _journal_decoders())
     shown = [readable(row) for row in rows]
     if args.json:
         emit_json(shown)
@@ -194,11 +197,24 @@ def cmd_log_inspect(args: argparse.Namespace) -> int:
     return Exit.ATTENTION if any(row.get("kind") == "NOTE" for row in rows) else Exit.OK
 
 
+def _journal_decoders() -> dict[str, Decoder]:
+    """The record decoders the stores register (``twopc.journals`` entry points): this module
+    imports nothing above the coordinator. A store that is not installed is simply absent."""
+    found: dict[str, Decoder] = {}
+    for plugin in entry_points(group="twopc.journals"):
+        try:
+            found[plugin.name] = plugin.load()
+        except ImportError:  # its extra is not installed: its journals are not decoded
+            continue
+    return found
+
+
 def _log_directory(path: str) -> str:
     if not Path(path).is_dir():
         what = "does not exist" if not Path(path).exists() else "is not a directory"
         raise ConfigurationError(
-            f"{path} {what}: give the decision log's directory (the `log` of twopc.toml)"
+            f"{path} {what}: give a journal directory (a decision log's, a message log's or a "
+            "cursor's)"
         )
     return path
 
@@ -233,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="log_command", required=True
     )
     inspect = log_cmd.add_parser(
-        "inspect", help="print every record of a log directory (read-only)"
+        "inspect", help="print every record of a journal directory, any kind (read-only)"
     )
     inspect.add_argument("directory")
     inspect.add_argument("--json", action="store_true", help="print one JSON document")

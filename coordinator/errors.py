@@ -72,6 +72,13 @@ class ConfigurationError(ProgrammingError):
     code = "configuration"
 
 
+class WrongJournalError(ConfigurationError):
+    """A store opened on a directory holding another kind of journal (a cursor's given as a
+    decision log's, say): the directory is wrong, not damaged, and nothing was changed."""
+
+    code = "journal-kind"
+
+
 class TransientError(TransactionError):
     """Retrying the whole transaction is safe and may succeed (serialization failure, timeout)."""
 

@@ -137,6 +137,7 @@ class FileDecisionLog:
             segment_bytes=segment_bytes,
             group_commit=group_commit,
             file_ops=file_ops,
+            kind="decision-log",
         )
         self._compaction = Compaction(
             self._journal,

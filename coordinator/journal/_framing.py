@@ -11,7 +11,10 @@ ASCII JSON payloads the decision log writes: a stray match inside a payload stay
 for other payload formats, because a candidate must also pass its CRC.
 
 Every segment opens with a header frame naming the format version, the segment's sequence number
-and ``first_live``, the oldest segment still required when it was created.
+and ``first_live``, the oldest segment still required when it was created; from version 2 also the
+kind of journal it belongs to (``decision-log``, ``message-log``, ``cursor``), so that a store
+opened on another store's directory says so instead of reporting damage. Version 1 segments (no
+kind) are still read; every segment written now is version 2.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ MAGIC = b"\xfe\xd1"
 FRAME_HEADER = struct.Struct("<2sII")
 FRAME_HEADER_SIZE = FRAME_HEADER.size
 FILE_MAGIC = b"TWOPCJNL"
-FORMAT_VERSION = 1
-SEGMENT_HEADER = struct.Struct("<8sHQQ")
+FORMAT_VERSION = 2
+SEGMENT_HEADER_V1 = struct.Struct("<8sHQQ")
+SEGMENT_HEADER = struct.Struct("<8sHQQ16s")  # version 2: + the journal's kind, ASCII, NUL-padded
+#: the kinds of journal twopc writes; "" in a header: written by a caller that named none
+JOURNAL_KINDS = ("decision-log", "message-log", "cursor")
+_KIND_BYTES = 16
 # The largest payload a frame may carry. A reader checks a length against it before allocating,
 # so a damaged length can never make it try to read gigabytes.
 MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -84,28 +91,46 @@ def next_valid_frame(data: bytes, start: int, max_record: int) -> int | None:
 
 @dataclass(frozen=True)
 class SegmentHeader:
-    """The first record of every segment."""
+    """The first record of every segment. ``kind`` is None in a version 1 header (written before
+    headers named their journal) and "" in one whose writer named no kind."""
 
     seq: int
     first_live: int
+    kind: str | None = ""
     version: int = FORMAT_VERSION
 
     def encode(self) -> bytes:
-        return SEGMENT_HEADER.pack(FILE_MAGIC, self.version, self.seq, self.first_live)
+        if self.version == 1:
+            return SEGMENT_HEADER_V1.pack(FILE_MAGIC, 1, self.seq, self.first_live)
+        kind = (self.kind or "").encode("ascii")
+        return SEGMENT_HEADER.pack(FILE_MAGIC, self.version, self.seq, self.first_live, kind)
 
     @classmethod
     def decode(cls, payload: bytes, path: str) -> SegmentHeader:
         """Refuse anything but a header this code can read: guessing at a format loses records."""
-        if len(payload) != SEGMENT_HEADER.size:
+        if len(payload) not in (SEGMENT_HEADER_V1.size, SEGMENT_HEADER.size):
             raise corruption(path, 0, f"segment header has {len(payload)} bytes")
-        magic, version, seq, first_live = SEGMENT_HEADER.unpack(payload)
+        magic, version = payload[:8], int.from_bytes(payload[8:10], "little")
         if magic != FILE_MAGIC:
             raise corruption(path, 0, f"not a twopc journal segment (magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise corruption(path, 0, f"format version {version}; this code reads {FORMAT_VERSION}")
+        if version not in (1, FORMAT_VERSION):
+            raise corruption(
+                path, 0, f"format version {version}; this code reads 1 to {FORMAT_VERSION}"
+            )
+        kind: str | None = None
+        if version == 1 and len(payload) == SEGMENT_HEADER_V1.size:
+            _, _, seq, first_live = SEGMENT_HEADER_V1.unpack(payload)
+        elif version == FORMAT_VERSION and len(payload) == SEGMENT_HEADER.size:
+            _, _, seq, first_live, raw = SEGMENT_HEADER.unpack(payload)
+            try:
+                kind = raw.rstrip(b"\0").decode("ascii")
+            except UnicodeDecodeError:
+                raise corruption(path, 0, f"journal kind {raw!r} is not ASCII") from None
+        else:
+            raise corruption(path, 0, f"a version {version} header has {len(payload)} bytes")
         if first_live > seq:
             raise corruption(path, 0, f"first_live {first_live} is after the segment's own {seq}")
-        return cls(seq=seq, first_live=first_live, version=version)
+        return cls(seq=seq, first_live=first_live, kind=kind, version=version)
 
 
 def corruption(path: str, offset: int | None, reason: str) -> LogCorruptionError:

@@ -28,7 +28,7 @@ from coordinator import crashpoints
 from coordinator.errors import LogError, LogWriteError
 
 from ._fileops import FileOps, OsFileOps, create_file, ensure_dir, fsync_dir, replace_file
-from ._framing import MAX_RECORD_BYTES, SegmentHeader, encode_frame
+from ._framing import JOURNAL_KINDS, MAX_RECORD_BYTES, SegmentHeader, encode_frame
 from ._group_commit import GroupCommit, Ticket
 from ._lock import acquire_lock
 from ._recovery import Active, open_directory
@@ -69,9 +69,16 @@ class Journal:
         group_commit: bool = True,
         file_ops: FileOps | None = None,
         max_record_bytes: int = MAX_RECORD_BYTES,
+        kind: str = "",
     ) -> None:
         if not 0 < max_record_bytes <= MAX_RECORD_BYTES:
             raise ValueError(f"max_record_bytes must be in 1..{MAX_RECORD_BYTES}")
+        if kind and kind not in JOURNAL_KINDS:
+            raise ValueError(f"kind must be one of {JOURNAL_KINDS}, not {kind!r}")
+        #: what this journal is (`JOURNAL_KINDS`), written into every segment's header and
+        #: checked against every header read: a store opened on another store's directory
+        #: stops with `WrongJournalError` instead of reporting damage
+        self.kind = kind
         self.directory = Path(directory)
         self._ops: FileOps = file_ops if file_ops is not None else OsFileOps()
         self._segment_bytes = segment_bytes
@@ -93,7 +100,7 @@ class Journal:
         try:
             # Read with the format's limit, not our append limit: records an earlier process was
             # allowed to write must stay readable whatever this one is configured to append.
-            opened = open_directory(self.directory, self._ops, MAX_RECORD_BYTES, replay)
+            opened = open_directory(self.directory, self._ops, MAX_RECORD_BYTES, replay, self.kind)
         except BaseException as exc:
             os.close(lock_fd)
             if isinstance(exc, OSError):
@@ -291,7 +298,7 @@ class Journal:
 
     def _create_segment(self, seq: int, frames: list[bytes]) -> Active:
         path = self.directory / segment_name(seq)
-        data = encode_frame(SegmentHeader(seq, seq).encode()) + b"".join(frames)
+        data = encode_frame(SegmentHeader(seq, seq, self.kind).encode()) + b"".join(frames)
         try:
             fd = create_file(self._ops, path, data)
         except OSError as exc:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.errors import TransactionError, UnreplayableRecordError
+from coordinator.errors import TransactionError, UnreplayableRecordError, WrongJournalError
 
 from ._fileops import FileOps, create_file, fsync_dir, replace_file
 from ._framing import FRAME_HEADER_SIZE, SegmentHeader, corruption, encode_frame
@@ -58,28 +58,36 @@ class Opened:
     dir_fsyncs: int
 
 
-def open_directory(directory: Path, ops: FileOps, max_record: int, replay: Replay) -> Opened:
+def open_directory(
+    directory: Path, ops: FileOps, max_record: int, replay: Replay, kind: str = ""
+) -> Opened:
     """Replay every record to ``replay`` in order and return the segment to append to."""
     segments = list_segments(directory)
     current = read_current(directory)
     if current is None:
-        return _start_fresh(directory, ops, segments, max_record)
-    first_live = _check_layout(directory, segments, current, max_record)
+        return _start_fresh(directory, ops, segments, max_record, kind)
+    header = _check_layout(directory, segments, current, max_record, kind)
+    first_live = header.first_live
     damage: Damage | None = None
     end = 0
     for seq, path in segments.items():
         if seq <= current:
-            damage, end = replay_segment(path, seq, max_record, replay, last=seq == current)
+            damage, end = replay_segment(
+                path, seq, max_record, replay, last=seq == current, kind=kind
+            )
     truncated = _cut_torn_tail(ops, segments[current], damage)
     stale = [path for seq, path in segments.items() if seq > current or seq < first_live]
     dir_fsyncs = _remove_stale(directory, ops, stale)
     fd = os.open(segments[current], os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-    header_size = FRAME_HEADER_SIZE + len(SegmentHeader(current, current).encode())
+    header_size = FRAME_HEADER_SIZE + len(header.encode())  # a version 1 header is shorter
     return Opened(Active(current, segments[current], fd, end, header_size), truncated, dir_fsyncs)
 
 
-def _check_layout(directory: Path, segments: dict[int, Path], current: int, max_record: int) -> int:
-    """Refuse a directory whose set of segments cannot be the result of our own writes."""
+def _check_layout(
+    directory: Path, segments: dict[int, Path], current: int, max_record: int, kind: str
+) -> SegmentHeader:
+    """Refuse a directory whose set of segments cannot be the result of our own writes (or that
+    holds another kind of journal); return the current segment's header."""
     if current not in segments:
         reason = f"CURRENT names {segment_name(current)}, which is missing"
         raise corruption(str(directory / CURRENT), None, reason)
@@ -87,7 +95,8 @@ def _check_layout(directory: Path, segments: dict[int, Path], current: int, max_
     if newer:
         reason = f"segment is newer than the one CURRENT names ({current})"
         raise corruption(str(segments[newer[0]]), None, reason)
-    first_live = _read_header(segments[current], current, max_record).first_live
+    header = _read_header(segments[current], current, max_record, kind)
+    first_live = header.first_live
     missing = [seq for seq in range(first_live, current) if seq not in segments]
     if missing:
         raise corruption(
@@ -96,22 +105,23 @@ def _check_layout(directory: Path, segments: dict[int, Path], current: int, max_
             f"segment is missing, yet {segment_name(current)} still needs every segment "
             f"from {first_live}",
         )
-    return first_live
+    return header
 
 
-def _read_header(path: Path, seq: int, max_record: int) -> SegmentHeader:
+def _read_header(path: Path, seq: int, max_record: int, kind: str) -> SegmentHeader:
     reader = SegmentReader(path, max_record)
     frames = reader.frames()
     try:
-        return _check_header(reader, next(frames, None), seq)
+        return _check_header(reader, next(frames, None), seq, kind)
     finally:
         frames.close()  # closes the file now, not whenever the generator is collected
 
 
 def _check_header(
-    reader: SegmentReader, first: tuple[int, bytes] | None, seq: int
+    reader: SegmentReader, first: tuple[int, bytes] | None, seq: int, kind: str
 ) -> SegmentHeader:
-    """A segment must open with its own header: anything else is not a file we wrote whole."""
+    """A segment must open with its own header: anything else is not a file we wrote whole. A
+    header naming another kind of journal than ``kind`` means the wrong directory."""
     path = str(reader.path)
     if first is None:
         reason = reader.damage.describe() if reader.damage else "empty file"
@@ -119,16 +129,24 @@ def _check_header(
     header = SegmentHeader.decode(first[1], path)
     if header.seq != seq:
         raise corruption(path, 0, f"header says segment {header.seq}, file name says {seq}")
+    if kind and header.kind and header.kind != kind:
+        raise WrongJournalError(
+            f"{reader.path.parent} holds a {header.kind} journal, not a {kind} one: the "
+            "directory is wrong (no file was changed)",
+            path=path,
+            found=header.kind,
+            expected=kind,
+        )
     return header
 
 
 def replay_segment(
-    path: Path, seq: int, max_record: int, replay: Replay, *, last: bool
+    path: Path, seq: int, max_record: int, replay: Replay, *, last: bool, kind: str = ""
 ) -> tuple[Damage | None, int]:
     """Deliver one segment's records; return its torn tail (only allowed if last) and sound end."""
     reader = SegmentReader(path, max_record)
     frames = reader.frames()
-    _check_header(reader, next(frames, None), seq)
+    _check_header(reader, next(frames, None), seq, kind)
     for offset, payload in frames:
         try:
             replay(payload)
@@ -186,7 +204,7 @@ def _remove_stale(directory: Path, ops: FileOps, stale: list[Path]) -> int:
 
 
 def _start_fresh(
-    directory: Path, ops: FileOps, segments: dict[int, Path], max_record: int
+    directory: Path, ops: FileOps, segments: dict[int, Path], max_record: int, kind: str
 ) -> Opened:
     """A new log: segment 1, then CURRENT naming it (in that order, so CURRENT never dangles)."""
     if segments and not _abandoned_start(segments, max_record):
@@ -196,7 +214,7 @@ def _start_fresh(
         log.warning("journal: removing %s, left over by an interrupted first start", path)
         path.unlink()
     path = directory / segment_name(1)
-    data = encode_frame(SegmentHeader(1, 1).encode())
+    data = encode_frame(SegmentHeader(1, 1, kind).encode())
     fd = create_file(ops, path, data)
     try:
         fsync_dir(ops, directory)

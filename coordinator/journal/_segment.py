@@ -104,10 +104,13 @@ class SegmentReader:
         self.damage: Damage | None = None
         self.end = 0
 
-    def frames(self) -> Generator[tuple[int, bytes], None, None]:
-        """Yield ``(offset, payload)``; afterwards ``damage`` and ``end`` describe how it ended."""
+    def frames(self, start: int = 0) -> Generator[tuple[int, bytes], None, None]:
+        """Yield ``(offset, payload)`` from ``start`` (a frame's offset: 0, or where a valid frame
+        follows damage); afterwards ``damage`` and ``end`` describe how it ended."""
+        self.damage = None
         with self.path.open("rb") as file:
-            offset = 0
+            file.seek(start)
+            offset = start
             while True:
                 header = file.read(FRAME_HEADER_SIZE)
                 if not header:

@@ -212,7 +212,11 @@ class Cursor:
         self._attached: Counter[str] = Counter()  # subscription queue -> subscribers attached
         self._take_lock = threading.Lock()  # one publication taken at a time
         self._journal = Journal(
-            self.directory, replay=self._replay, segment_bytes=segment_bytes, file_ops=file_ops
+            self.directory,
+            replay=self._replay,
+            segment_bytes=segment_bytes,
+            file_ops=file_ops,
+            kind="cursor",
         )
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"cursor {self.directory}", log

@@ -128,7 +128,11 @@ class MessageLog:
         self._volatile_prepared: dict[str, list[Message]] = {}
         self.version = 0  # bumped whenever messages become visible
         self._journal = Journal(
-            self.directory, replay=self._replay, segment_bytes=segment_bytes, file_ops=file_ops
+            self.directory,
+            replay=self._replay,
+            segment_bytes=segment_bytes,
+            file_ops=file_ops,
+            kind="message-log",
         )
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"message log {self.directory}", log

@@ -394,8 +394,9 @@ def test_inspect_reports_corruption_instead_of_raising(tmp_path: Path) -> None:
     data[rows[1]["offset"] + 20] ^= 0x04
     segment.write_bytes(bytes(data))
     rows = inspect_log(tmp_path)
-    assert [row["kind"] for row in rows] == ["SEGMENT", "NOTE"]
+    assert [row["kind"] for row in rows] == ["SEGMENT", "NOTE", "COMMIT"]  # read on past it
     assert "corruption" in rows[1]["note"] and "valid record follows" in rows[1]["note"]
+    assert rows[2]["gtrid"] == "g2" and rows[2]["offset"] > rows[1]["offset"]
 
 
 def test_inspect_of_an_empty_or_missing_directory(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ ERRORS = {
     "UnsettledError", "TransientError", "FencedError",
     "HeuristicError", "HeuristicCommit", "HeuristicRollback", "HeuristicMixed", "HeuristicHazard",
     "LogError", "LogCorruptionError", "LogLockedError", "LogWriteError", "UnreplayableRecordError",
+    "WrongJournalError",
     "ConfigurationError", "ProgrammingError", "IllegalStateError", "InvalidXidError",
     "NoTransactionError", "NoHeuristicError",
 }  # fmt: skip
