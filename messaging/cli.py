@@ -2,8 +2,9 @@
 here too, the cursor's administration commands of `admin_cli`).
 
 Each prints one line, ``listening on HOST:PORT``, once it accepts connections (scripts and tests
-wait for it), and shuts down cleanly on SIGTERM or SIGINT: listener closed, transfer stopped,
-journal flushed. A ``kill -9`` is survived as well: that is what the journals are for.
+wait for it; a log then prints its durable identity and incarnation), and shuts down cleanly on
+SIGTERM or SIGINT: listener closed, transfer stopped, journal flushed. A ``kill -9`` is survived
+as well: that is what the journals are for.
 
 The shared secret comes from ``--secret-file`` or the ``TWOPC_SECRET`` environment variable
 (never from the command line, where every user of the machine can read it).
@@ -94,13 +95,17 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
     return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=False)
 
 
-def _serve_until_signalled(server: LogServer | CursorServer, address: object) -> int:
+def _serve_until_signalled(
+    server: LogServer | CursorServer, address: object, notice: str = ""
+) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with server:
         host, port = address if isinstance(address, tuple) else ("?", "?")
         print(f"listening on {host}:{port}", flush=True)
+        if notice:
+            print(notice, flush=True)
         stop.wait()
     print("stopped", flush=True)
     return 0
@@ -123,7 +128,9 @@ def run_log(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_destination_messages=args.max_destination_messages,
     )
-    return _serve_until_signalled(server, server.address)
+    mlog = server.mlog  # the cursor keeps this log's streams under its identity
+    notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
+    return _serve_until_signalled(server, server.address, notice)
 
 
 def run_cursor(args: argparse.Namespace) -> int:

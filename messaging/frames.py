@@ -53,8 +53,14 @@ from coordinator.errors import FrameError, InvalidXidError, ProgrammingError
 from coordinator.xid import Xid
 
 MAGIC = b"TPCM"
+#: the handshake's version: HELLO, AUTH, WELCOME and a handshake's ERROR carry it whatever
+#: version the connection then speaks, so any client can read a HELLO (and the default HELLO
+#: ``versions``)
 PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+#: version 2 adds ORIGIN: a transfer says which log (its durable identity) it carries
+ORIGIN_VERSION = 2
+HANDSHAKE_VERSIONS = frozenset({PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION, ORIGIN_VERSION})
 HEADER = struct.Struct(">4sBBHII")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -82,6 +88,7 @@ class FrameType(enum.IntEnum):
     MSG = 16
     ACK = 17
     NACK = 18
+    ORIGIN = 19
     XA_START = 32
     XA_PREPARE = 33
     XA_COMMIT = 34
@@ -460,6 +467,18 @@ class Nack:
     detail: str = ""
 
 
+@_frame(FrameType.ORIGIN)
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Log -> cursor, the first frame of a transfer in version 2: the log's durable identity
+    (its streams at the cursor are its own) and the incarnation of the process sending, so a
+    cursor can refuse an older process that claims the same identity."""
+
+    TYPE: ClassVar[FrameType] = FrameType.ORIGIN
+    log: str
+    incarnation: int
+
+
 XA_VERBS = frozenset(FrameType(t) for t in range(FrameType.XA_START, FrameType.XA_FORGET + 1))
 
 
@@ -500,7 +519,18 @@ class XaReply:
 
 
 Frame: TypeAlias = (
-    Hello | Auth | Welcome | ErrorFrame | Ping | Pong | Msg | Ack | Nack | XaRequest | XaReply
+    Hello
+    | Auth
+    | Welcome
+    | ErrorFrame
+    | Ping
+    | Pong
+    | Msg
+    | Ack
+    | Nack
+    | Origin
+    | XaRequest
+    | XaReply
 )
 
 

@@ -41,7 +41,7 @@ from resource_managers.message_log import MessageLog
 from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
 
 from ..connection import Connection
-from ..frames import Ack, ErrorFrame, Msg, Nack, Ping, Pong
+from ..frames import ORIGIN_VERSION, Ack, ErrorFrame, Msg, Nack, Origin, Ping, Pong
 from ..frames import Frame as WireFrame
 from .wire import to_wire
 
@@ -51,6 +51,8 @@ log = logging.getLogger("twopc.transfer")
 TRANSFER_ROLE = "transfer"
 #: the NACK reason of a message the cursor will never accept (see `TransferReceiver`)
 INVALID_MESSAGE = "invalid-message"
+#: the ERROR code of a cursor refusing this process's log identity (`LogFencedError`)
+LOG_FENCED = "log-fenced"
 
 
 class LogTransfer:
@@ -194,6 +196,14 @@ class LogTransfer:
             self.stats["connect_failures"] += 1
             log.info("%s: cannot connect: %s", self.name, exc)
             return False
+        if conn.version >= ORIGIN_VERSION:  # our streams are ours at the cursor, not shared
+            try:
+                conn.send(Origin(self.mlog.identity, self.mlog.incarnation))
+            except OSError as exc:
+                conn.close()
+                self.stats["connect_failures"] += 1
+                log.info("%s: cannot connect: %s", self.name, exc)
+                return False
         self.stats["connections"] += 1
         with self._lock:
             for sender in self._senders.values():
@@ -320,9 +330,22 @@ class LogTransfer:
         elif isinstance(frame, Nack):
             self._on_nack(frame)
         elif isinstance(frame, ErrorFrame):
+            if frame.code == LOG_FENCED:
+                self._fenced(frame.message)
             raise ConnectionAbortedError(f"the cursor closes: {frame.code} {frame.message}")
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
+
+    def _fenced(self, message: str) -> None:
+        """The cursor refuses this log's identity: a newer process announced the same one. Said
+        once, loudly: nothing this process sends will be accepted until it is the newest again
+        (reopened), and two processes of one log must not both run."""
+        self.stats["fenced"] += 1
+        if self.stats["fenced"] == 1:
+            log.error(
+                "%s: the cursor fenced this log (identity %s, incarnation %d): %s",
+                self.name, self.mlog.identity, self.mlog.incarnation, message,
+            )  # fmt: skip
 
     def _on_nack(self, nack: Nack) -> None:
         """``invalid-message``: the cursor will refuse every resend, and the stream cannot move

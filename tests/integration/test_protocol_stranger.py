@@ -237,6 +237,6 @@ def test_handshake_refusals_get_their_documented_codes(
     refused = Wire(cursor.address)
     refused.recv()
     refused.send("AUTH", {"client_id": "stranger", "nonce": bytes(32), "role": "consumer",
-                          "version": 2, "proof": bytes(32)})  # fmt: skip
+                          "version": 3, "proof": bytes(32)})  # fmt: skip
     name, error = refused.recv()
     assert (name, error["code"]) == ("ERROR", "unsupported-version")

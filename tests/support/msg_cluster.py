@@ -99,15 +99,19 @@ class Cluster:
 
     def __init__(
         self, workdir: Path, pg_url: str, *, proxy: Any = None, consumer_proxy: Any = None,
-        consumer_tx_timeout: float = 30.0, llr: bool = False,
+        consumer_tx_timeout: float = 30.0, llr: bool = False, logs: int = 1,
     ) -> None:  # fmt: skip
         """``proxy``: a `FaultProxy` between the log and the cursor; ``consumer_proxy``: one
         between the consumers and the cursor (both forward to ``cursor_port``); ``llr``: the
-        producers' and consumers' PostgreSQL is their logging last resource."""
+        producers' and consumers' PostgreSQL is their logging last resource; ``logs``: how many
+        log servers (``log``, ``log1``, ``log2``...: each its own directory and port) send to the
+        one cursor."""
         self.llr = ["--llr"] if llr else []
         self.workdir = workdir
         self.pg_url = pg_url
-        self.log_port, self.cursor_port = free_port(), free_port()
+        self.log_names = ["log", *(f"log{i}" for i in range(1, logs))]
+        self.log_ports = [free_port() for _ in self.log_names]
+        self.log_port, self.cursor_port = self.log_ports[0], free_port()
         self.proxy = proxy
         self.consumer_proxy = consumer_proxy
         self.consumer_tx_timeout = consumer_tx_timeout
@@ -137,21 +141,31 @@ class Cluster:
         proc.start()
         return proc
 
-    def start_servers(self, crash_log: str | None = None, crash_cursor: str | None = None) -> None:
+    def start_servers(
+        self, crash_log: str | None = None, crash_cursor: str | None = None,
+        crash_logs: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        """``crash_log`` arms the first log server, ``crash_logs`` any of them by name."""
         py = sys.executable
+        crash_logs = {"log": crash_log, **(crash_logs or {})} if crash_log else crash_logs or {}
         self.add("cursor", [py, "-c", SERVE, "serve", "cursor",
                             "--dir", str(self.workdir / "cursor"),
                             "--listen", f"127.0.0.1:{self.cursor_port}"], crash_cursor)  # fmt: skip
-        self.add("log", [py, "-c", SERVE, "serve", "log", "--dir", str(self.workdir / "log"),
-                         "--listen", f"127.0.0.1:{self.log_port}",
-                         "--cursor", self.cursor_address_for_log], crash_log)  # fmt: skip
-        for name in ("cursor", "log"):
+        for name, port in zip(self.log_names, self.log_ports, strict=True):
+            self.add(name, [py, "-c", SERVE, "serve", "log", "--dir", str(self.workdir / name),
+                            "--listen", f"127.0.0.1:{port}",
+                            "--cursor", self.cursor_address_for_log],
+                     crash_logs.get(name))  # fmt: skip
+        self._supervisor.start()  # before waiting: a server killed while it starts is restarted
+        for name in ("cursor", *self.log_names):
             self.wait_for(name, "listening on", 30)
-        self._supervisor.start()
 
     def add_producer(self, pid: str, *, txs: int, per_tx: int, rollback_every: int,
-                     crash_at: str | None = None, destination: str = "orders") -> Proc:  # fmt: skip
-        argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{self.log_port}",
+                     crash_at: str | None = None, destination: str = "orders",
+                     log: int = 0) -> Proc:  # fmt: skip
+        """A producer sending through log server number ``log``."""
+        port = self.log_ports[log]
+        argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{port}",
                 "--pg", self.pg_url, "--id", pid, "--state", str(self.workdir / f"p-{pid}"),
                 "--txs", str(txs), "--per-tx", str(per_tx),
                 "--rollback-every", str(rollback_every), "--destination", destination,
@@ -258,9 +272,12 @@ class Cluster:
                     disorder += 1
                 last[producer] = (tx, j)
             report["out_of_order"] = disorder
-        with MessageLog(self.workdir / "log") as mlog:
-            stats = mlog.stats()
-            report["log_pending"], report["log_prepared"] = stats.pending, stats.prepared
+        report["log_pending"] = report["log_prepared"] = 0
+        for name in self.log_names:
+            with MessageLog(self.workdir / name) as mlog:
+                stats = mlog.stats()
+                report["log_pending"] += stats.pending
+                report["log_prepared"] += stats.prepared
         with Cursor(self.workdir / "cursor") as cursor:
             cstats = cursor.stats()
             report["cursor_available"] = cstats.available
