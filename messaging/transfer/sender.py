@@ -398,8 +398,9 @@ class LogTransfer:
             self._fenced_logged.add(ack.stream)
             log.error(
                 "%s: the cursor acknowledged stream %s in epoch %d, newer than ours (%d): "
-                "another log feeds the same stream; its messages and ours cannot both be "
-                "delivered in order", self.name, ack.stream, ack.epoch, sender.epoch,
+                "another process of this log (or, over protocol version 1, another log) feeds "
+                "the same stream; its messages and ours cannot both be delivered in order",
+                self.name, ack.stream, ack.epoch, sender.epoch,
             )  # fmt: skip
         if result.verdict is AckVerdict.ADVANCED:
             crash_point("xfer.log.before_compact")

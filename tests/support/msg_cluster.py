@@ -262,6 +262,7 @@ class Cluster:
             "phantom": len(set(counts) - set(produced)),
             "pg_prepared": prepared,
             "kills": {n: p.kills for n, p in self.procs.items() if p.kills},
+            "by_producer": dict(Counter(producer for producer, _, _ in produced.values())),
         }
         if ordered:
             last: dict[str, tuple[int, int]] = {}
