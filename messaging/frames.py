@@ -985,9 +985,16 @@ class _Sender(Protocol):
     def sendall(self, data: bytes, /) -> None: ...
 
 
-def send_frame(sock: _Sender, frame: Frame, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-    """Encode and send one frame; callers sharing a socket between threads hold a lock."""
-    sock.sendall(encode(frame, max_frame=max_frame))
+def send_frame(
+    sock: _Sender,
+    frame: Frame,
+    *,
+    version: int = PROTOCOL_VERSION,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> None:
+    """Encode and send one frame; callers sharing a socket between threads hold a lock. After
+    the handshake, ``version`` is the one it chose (`auth.Peer.version`)."""
+    sock.sendall(encode(frame, version=version, max_frame=max_frame))
 
 
 async def read_frame(
@@ -1016,7 +1023,12 @@ async def read_frame(
 
 
 async def write_frame(
-    writer: asyncio.StreamWriter, frame: Frame, *, max_frame: int = DEFAULT_MAX_FRAME
+    writer: asyncio.StreamWriter,
+    frame: Frame,
+    *,
+    version: int = PROTOCOL_VERSION,
+    max_frame: int = DEFAULT_MAX_FRAME,
 ) -> None:
-    writer.write(encode(frame, max_frame=max_frame))
+    """The asyncio twin of `send_frame`."""
+    writer.write(encode(frame, version=version, max_frame=max_frame))
     await writer.drain()
