@@ -24,6 +24,7 @@ from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES
 
 from .auth import SharedSecret, TlsConfig
 from .connection import parse_address
+from .routes import parse_route
 from .topics import DEFAULT_DISPATCH_WORKERS
 
 if TYPE_CHECKING:
@@ -42,7 +43,15 @@ def register(sub: Any) -> None:
 
     log_p = kinds.add_parser("log", help="a message log: producer service and transfer")
     _common(log_p, default_listen="127.0.0.1:7401")
-    log_p.add_argument("--cursor", required=True, metavar="HOST:PORT", help="the cursor server")
+    log_p.add_argument(
+        "--cursor", required=True, metavar="HOST:PORT",
+        help="the cursor server: where every destination no --route matches goes",
+    )  # fmt: skip
+    log_p.add_argument(
+        "--route", action="append", default=[], metavar="PATTERN=HOST:PORT",
+        help="send the destinations matching the glob PATTERN (e.g. 'orders.*') to that cursor; "
+        "repeatable, the first match wins; one transfer per cursor",
+    )  # fmt: skip
     log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
     log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     log_p.add_argument("--max-destination-messages", type=int, default=None)
@@ -127,6 +136,7 @@ def run_log(args: argparse.Namespace) -> int:
         cursor_id=args.cursor_id,
         max_message_bytes=args.max_message_bytes,
         max_destination_messages=args.max_destination_messages,
+        routes=[parse_route(text) for text in args.route],
     )
     mlog = server.mlog  # the cursor keeps this log's streams under its identity
     notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
