@@ -13,8 +13,13 @@ feeds the cursor, under the bare stream name, as before).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +31,7 @@ from coordinator.journal import Journal
 from messaging.auth import SharedSecret
 from messaging.connection import Connection, connect
 from messaging.frames import ErrorFrame, Msg, Origin, Ping, Pong
+from messaging.remote import RemoteCursor
 from messaging.server import CursorServer, LogServer
 from messaging.transfer import TRANSFER_ROLE, LogTransfer
 from resource_managers.cursor import Cursor
@@ -33,9 +39,11 @@ from resource_managers.message_log import Message, MessageLog, MessageLogResourc
 from resource_managers.message_log._records import encode as log_encode
 from resource_managers.message_log._records import message_obj
 from resource_managers.sequencing import DoublingBackoff
+from tests.support.msg_cluster import free_port
 from tests.support.scripts import run_script
 
-SECRET = SharedSecret(b"many-logs-test-secret-0123456789")
+SECRET_TEXT = "many-logs-test-secret-0123456789"
+SECRET = SharedSecret(SECRET_TEXT.encode())
 IDENTITY_WORKER = Path(__file__).resolve().parents[1] / "crash" / "identity_worker.py"
 
 
@@ -304,3 +312,76 @@ def test_a_kill_9_after_the_identity_is_chosen_keeps_it(tmp_path: Path, journal:
         assert mlog.identity == chosen[0]
         assert len(mlog.pending("orders")) == (2 if journal == "before-identities" else 0)
     assert {r["i"] for r in open_records(tmp_path / "log") if "i" in r} == {chosen[0]}
+
+
+SERVE = "import sys; from coordinator.cli import main; sys.exit(main())"
+
+
+def serve(*args: str, crash_at: str = "") -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TWOPC_CRASH_AT"}
+    env["TWOPC_SECRET"] = SECRET_TEXT
+    if crash_at:
+        env["TWOPC_CRASH_AT"] = crash_at
+    return subprocess.Popen(
+        [sys.executable, "-c", SERVE, "serve", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def remote_receiver(port: int) -> Iterator[Callable[..., list[bytes]]]:
+    """``receive(queue, n, timeout=30)``: receive and commit from the cursor server at ``port``
+    until ``n`` messages came or the time is up."""
+    cursor = RemoteCursor(("127.0.0.1", port), SECRET)
+    tm = TransactionManager("consumer", MemoryDecisionLog(), [cursor],
+                            recovery_interval=None, reaper_interval=None)  # fmt: skip
+
+    def receive(queue: str, n: int, timeout: float = 30.0) -> list[bytes]:
+        got: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            with tm.transaction() as tx:
+                got += [d.body for d in tx.join(cursor).receive_many(queue, 50, timeout=0.5)]
+        return got
+
+    try:
+        yield receive
+    finally:
+        tm.close()
+        cursor.close()
+
+
+@pytest.mark.parametrize("point", ["xfer.cursor.after_persist:1", "xfer.cursor.after_announce:1"])
+def test_a_kill_9_of_the_cursor_while_a_log_claims_its_old_state(
+    tmp_path: Path, point: str
+) -> None:
+    """``compatible_replay`` under ``kill -9``: the cursor server dies at the log's first
+    announcement, or right after the batch whose ``M`` records claim the bare stream's state;
+    restarted, it replays the claim (or the bare state) the same way, and the old journals' five
+    messages are there once each, none of the three it had twice."""
+    epoch = 1_700_000_000_000
+    messages = old_journals(tmp_path, epoch, accepted=3, total=5)
+    port = free_port()
+    cursor_args = ("cursor", "--dir", str(tmp_path / "cursor"), "--listen", f"127.0.0.1:{port}")
+    dying = serve(*cursor_args, crash_at=point)
+    log = serve("log", "--dir", str(tmp_path / "log"), "--listen", "127.0.0.1:0",
+                "--cursor", f"127.0.0.1:{port}")  # fmt: skip
+    try:
+        assert dying.wait(30) == -9, dying.communicate()[0]
+        cursor = serve(*cursor_args)
+        try:
+            assert cursor.stdout is not None
+            assert cursor.stdout.readline().startswith("listening on")
+            with remote_receiver(port) as receive:
+                assert receive("orders", 5) == [m.body for m in messages]
+                assert receive("orders", 1, timeout=2) == []
+        finally:
+            cursor.send_signal(signal.SIGTERM)
+            assert cursor.wait(30) == 0
+    finally:
+        log.send_signal(signal.SIGTERM)
+        log.wait(30)
+    with Cursor(tmp_path / "cursor") as reopened:
+        streams = reopened.filter_state()["streams"]
+        assert list(streams.values()) == [{"epoch": epoch, "last": 5}] and "orders" not in streams
