@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 
 .PHONY: demo test lint servers clean
 
@@ -13,10 +14,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[all]'
 	touch $(STAMP)
 
+# `make demo` installs what the default demo needs, no more (no PySpark: `twopc demo --spark`
+# says how to add it); `make test` installs everything.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[demo]'
+	touch $(DEMO_STAMP)
+
 servers:
 	tools/ensure-servers.sh
 
-demo: $(STAMP) servers
+demo: $(DEMO_STAMP) servers
 	$(BIN)/twopc demo
 
 lint: $(STAMP)

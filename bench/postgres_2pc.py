@@ -19,6 +19,8 @@ up and then measured for ``--seconds``. Rows, and why each one is here:
 - ``file``/``file-par``: twopc with `FileDecisionLog` (a forced COMMIT record per transaction),
   sequential and parallel prepare/commit.
 - ``sql``: twopc with `SqlDecisionLog` in a third database, when that module imports.
+- ``sql-carried``: twopc with `SqlDecisionLog` in database B itself: B carries the log's COMMIT
+  row in its one-phase commit (no PREPARE on B, no separate log commit); compare with ``sql``.
 - ``llr``: twopc with database B as the logging last resource: A prepares, B commits in one phase
   with the decision row in the same server commit, then A commits. No PREPARE on B and no
   decision-log force (the file log is configured, and untouched).
@@ -357,6 +359,16 @@ def sql_setup(env: Env, threads: int) -> Setup:
     return setup
 
 
+def carried_setup(env: Env, threads: int) -> Setup:
+    """The SqlDecisionLog in database B: B's one-phase commit carries the log's COMMIT row."""
+    cls = sql_log_class()
+    assert cls is not None
+    engine = env.engine(env.url_b, threads)
+    setup = twopc_setup(env, threads, lambda node: cls(engine, node), parallel=False, two=True)
+    setup.cleanup.append(engine.dispose)
+    return setup
+
+
 @dataclass(frozen=True)
 class RowSpec:
     key: str
@@ -396,6 +408,7 @@ ROWS = (
         (1, 1),
     ),
     RowSpec("sql", "twopc SqlDecisionLog, sequential", sql_setup, (1, 1)),
+    RowSpec("sql-carried", "twopc SqlDecisionLog in B, B carries it", carried_setup, (1, 1)),
     RowSpec(
         "llr",
         "twopc B last resource, A two-phase",

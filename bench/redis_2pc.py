@@ -37,6 +37,19 @@ PostgreSQL + Redis (ratios against ``pair``):
   transaction), sequential and parallel prepare/commit: PostgreSQL PREPARE TRANSACTION, the
   Redis prepare script, the decision record, COMMIT PREPARED, the Redis commit script. Target:
   >= 0.8x ``pair``.
+- ``2pc-1by1``: ``2pc`` with every Redis call waited for in turn (`OneByOne`, the resource
+  without ``send_prepare`` and ``commit_batch``): what ``2pc`` cost before the Redis prepare
+  script was sent ahead of PostgreSQL's PREPARE TRANSACTION and read after it
+  (`coordinator.early_prepare`).
+
+Two Redis resources on one client next to PostgreSQL (the counters in one, the marker in the
+other; ratios against ``pair``, and in the context lines against each other):
+
+- ``2pc-2r``: both prepare scripts in flight while PostgreSQL prepares, both commit scripts in one
+  pipelined round trip (`coordinator.batch_commit`); ``2pc-2r-1by1``: one call waited for each.
+  ``llr-2r`` and ``llr-2r-1by1``: the same with PostgreSQL as the last resource (the two
+  prepares overlap each other; nothing can overlap the last resource's commit, which must wait
+  for every vote).
 
 After each row the script checks that the writes landed exactly: every client's two counters
 equal the transactions it committed and its marker holds the last one; the PostgreSQL rows
@@ -76,6 +89,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -173,9 +187,11 @@ class Ledger:
         self.clients.append(keys)
         return keys
 
-    def redis_resource(self, client: redis.Redis, blind: bool) -> RedisResource:
+    def redis_resource(
+        self, client: redis.Redis, blind: bool, kind: type[RedisResource] = RedisResource
+    ) -> RedisResource:
         self.namespace = f"bench-{uuid.uuid4().hex[:8]}"
-        return RedisResource(client, "redis", namespace=self.namespace, blind_writes=blind)
+        return kind(client, "redis", namespace=self.namespace, blind_writes=blind)
 
 
 def write_pipeline(pipe: Any, keys: Keys, n: int) -> None:
@@ -183,6 +199,15 @@ def write_pipeline(pipe: Any, keys: Keys, n: int) -> None:
     pipe.incrby(keys.a, 1)
     pipe.incrby(keys.b, 1)
     pipe.set(keys.marker, n)
+
+
+class OneByOne(RedisResource):
+    """A Redis resource without the verbs that overlap round trips (``send_prepare``,
+    ``commit_batch``): every prepare and commit is one call waited for, as before them. The
+    coordinator looks the verbs up on the class, so hiding them here is all it takes."""
+
+    send_prepare = None  # type: ignore[assignment]
+    commit_batch = None  # type: ignore[assignment]
 
 
 # -- the rows --------------------------------------------------------------------------------------
@@ -298,13 +323,19 @@ def sa_pair_setup(bench: Bench, threads: int, ledger: Ledger) -> Setup:
 
 
 def two_phase_setup(
-    bench: Bench, threads: int, ledger: Ledger, parallel: bool, last: bool = False
+    bench: Bench,
+    threads: int,
+    ledger: Ledger,
+    parallel: bool,
+    *,
+    last: bool = False,
+    kind: type[RedisResource] = RedisResource,
 ) -> Setup:
     """PostgreSQL and Redis in one transaction; ``last``: PostgreSQL is the logging last
     resource (Redis prepares, PostgreSQL commits with the decision row, Redis commits)."""
     r, engine = bench.redis(), bench.engine(threads)
     db = PostgresResource(engine, "pg", last_resource=last)
-    cache = ledger.redis_resource(r, blind=True)
+    cache = ledger.redis_resource(r, blind=True, kind=kind)
     tm = bench.manager([db, cache], parallel=parallel)
 
     def client() -> Client:
@@ -327,6 +358,41 @@ def two_phase_setup(
     return Setup(client, close)
 
 
+def two_redis_setup(
+    bench: Bench, threads: int, ledger: Ledger, last: bool, kind: type[RedisResource]
+) -> Setup:
+    """PostgreSQL and two Redis resources on one client (the counters in one, the marker in
+    the other) in one transaction: both prepare scripts in flight together, both commits in one
+    pipelined round trip; with `OneByOne`, one call waited for each."""
+    r, engine = bench.redis(), bench.engine(threads)
+    db = PostgresResource(engine, "pg", last_resource=last)
+    counters = ledger.redis_resource(r, blind=True, kind=kind)
+    markers = kind(r, "redis2", namespace=ledger.namespace, blind_writes=True)
+    tm = bench.manager([db, counters, markers])
+
+    def client() -> Client:
+        keys = ledger.new()
+
+        def one() -> None:
+            n = keys.done + 1
+            with tm.transaction() as tx:
+                tx.join(db).execute(CORE_INSERT, {"payload": PAYLOAD})
+                branch = tx.join(counters)
+                branch.incrby(keys.a, 1)
+                branch.incrby(keys.b, 1)
+                tx.join(markers).set(keys.marker, n)
+            keys.done = n
+
+        return one
+
+    def close() -> None:
+        tm.close()
+        engine.dispose()
+        r.close()
+
+    return Setup(client, close)
+
+
 @dataclass(frozen=True)
 class RowSpec:
     key: str
@@ -334,6 +400,7 @@ class RowSpec:
     make: Callable[[Bench, int, Ledger], Setup]
     ref: str  # the row its ratio is against
     pg_rows: int  # rows each transaction inserts into PostgreSQL
+    redis_branches: int = 1  # twopc branch records each transaction leaves in Redis
 
 
 ROWS = (
@@ -375,6 +442,22 @@ ROWS = (
         lambda b, t, led: two_phase_setup(b, t, led, parallel=True),
         "pair",
         1,
+    ),
+    RowSpec(
+        "2pc-1by1",
+        "twopc PG + Redis, file log, one call at a time",
+        partial(two_phase_setup, parallel=False, kind=OneByOne),
+        "pair",
+        1,
+    ),
+    *(
+        RowSpec(key, label, partial(two_redis_setup, last=last, kind=kind), "pair", 1, 2)
+        for key, label, last, kind in (
+            ("2pc-2r", "twopc PG + 2 Redis, file log", False, RedisResource),
+            ("2pc-2r-1by1", "twopc PG + 2 Redis, file log, 1 call at a time", False, OneByOne),
+            ("llr-2r", "twopc PG (last) + 2 Redis", True, RedisResource),
+            ("llr-2r-1by1", "twopc PG (last) + 2 Redis, 1 call at a time", True, OneByOne),
+        )
     ),
 )
 
@@ -463,7 +546,8 @@ def run_row(bench: Bench, spec: RowSpec, threads: int, seconds: float, warmup: f
     with contextlib.closing(bench.redis()) as r:
         problems += check_counters(r, ledger, measured.committed)
         if ledger.namespace is not None:
-            problems += check_namespace(r, ledger.namespace, measured.committed)
+            branches = measured.committed * spec.redis_branches
+            problems += check_namespace(r, ledger.namespace, branches)
     if problems:
         raise BenchError(f"{spec.key} at {threads} threads: " + "; ".join(problems[:5]))
     return measured
@@ -501,7 +585,7 @@ def print_table(
 ) -> None:
     spread = "  tx/s min-max" if rounds > 1 else ""
     print(
-        f"{'thr':>3}  {'row':<9} {'what':<42} {'tx/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'thr':>3}  {'row':<11} {'what':<42} {'tx/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'CPU us':>7} {'x ref':>12}{spread}"
     )
     for threads in thread_counts:
@@ -515,7 +599,7 @@ def print_table(
                 else ""
             )
             line = (
-                f"{threads:>3}  {spec.key:<9} {spec.label:<42} {rate:>7,.0f}"
+                f"{threads:>3}  {spec.key:<11} {spec.label:<42} {rate:>7,.0f}"
                 f" {p50:>7.2f} {p99:>7.2f} {cpu:>7,.0f} {vs:>12}"
             )
             if rounds > 1:
@@ -538,19 +622,26 @@ def print_targets(results: Results, thread_counts: list[int]) -> None:
                 continue
             got = ratio(results, key, ref, threads)
             print(
-                f"  [{'met   ' if got >= want else 'MISSED'}] {key:<9} vs {ref:<5} at {threads} "
+                f"  [{'met   ' if got >= want else 'MISSED'}] {key:<11} vs {ref:<5} at {threads} "
                 f"thread(s): {got:5.2f}x (target >= {want:.2f}x)"
             )
         for key, most in CPU_TARGETS:
             if (key, threads) in results:
                 cpu = median([m.cpu_us for m in results[(key, threads)]])
                 print(
-                    f"  [{'met   ' if cpu <= most else 'MISSED'}] {key:<9} CPU at {threads} "
+                    f"  [{'met   ' if cpu <= most else 'MISSED'}] {key:<11} CPU at {threads} "
                     f"thread(s): {cpu:,.0f} us/tx (target <= {most:,.0f} us)"
                 )
     print("context (not targets):")
     for threads in thread_counts:
-        pairs = (("1phase", "multi"), ("2pc", "sa-pair"))
+        pairs = (
+            ("1phase", "multi"),
+            ("2pc", "sa-pair"),
+            # round trips overlapped (prepares in flight, commits pipelined) vs one at a time
+            ("2pc", "2pc-1by1"),
+            ("2pc-2r", "2pc-2r-1by1"),
+            ("llr-2r", "llr-2r-1by1"),
+        )
         said = [
             f"{k} vs {ref} {ratio(results, k, ref, threads):.2f}x"
             for k, ref in pairs

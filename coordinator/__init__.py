@@ -1,20 +1,22 @@
 """twopc's coordinator: two-phase commit with presumed abort, a durable decision log, recovery.
 
 Standard library only, and nothing else of twopc: every other package builds on this one.
+
+What users type is exported here: the manager and its transaction, the decision logs, the
+resource protocol and its values, and the error tree. Everything else stays importable from its
+own module (`coordinator.decision_log.Decision`, `coordinator.states.TxState`,
+`coordinator.xid.FORMAT_ID`, ...); `tests/unit/test_public_api.py` pins this list.
 """
 
 from .decision_log import (
-    Decision,
     DecisionLog,
     FileDecisionLog,
-    HeuristicRecord,
     MemoryDecisionLog,
 )
 from .errors import (
     CompletionPending,
     ConfigurationError,
     FencedError,
-    FrameError,
     HeuristicCommit,
     HeuristicError,
     HeuristicHazard,
@@ -26,6 +28,7 @@ from .errors import (
     LogError,
     LogLockedError,
     LogWriteError,
+    NoHeuristicError,
     NoTransactionError,
     OutcomeUnknownError,
     ProgrammingError,
@@ -39,24 +42,19 @@ from .errors import (
 from .manager import InDoubt, TransactionManager, current
 from .recovery import RecoveryReport
 from .resource import Outcome, Resource, Synchronization, Vote
-from .states import TxState
 from .transaction import Transaction
-from .xid import FORMAT_ID, Xid
+from .xid import Xid
 
 __all__ = [
-    "FORMAT_ID",
     "CompletionPending",
     "ConfigurationError",
-    "Decision",
     "DecisionLog",
     "FencedError",
     "FileDecisionLog",
-    "FrameError",
     "HeuristicCommit",
     "HeuristicError",
     "HeuristicHazard",
     "HeuristicMixed",
-    "HeuristicRecord",
     "HeuristicRollback",
     "IllegalStateError",
     "InDoubt",
@@ -66,6 +64,7 @@ __all__ = [
     "LogLockedError",
     "LogWriteError",
     "MemoryDecisionLog",
+    "NoHeuristicError",
     "NoTransactionError",
     "Outcome",
     "OutcomeUnknownError",
@@ -79,7 +78,6 @@ __all__ = [
     "TransactionRolledBack",
     "TransactionTimedOut",
     "TransientError",
-    "TxState",
     "UnreplayableRecordError",
     "UnsettledError",
     "Vote",

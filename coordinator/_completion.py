@@ -16,14 +16,17 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, NoReturn
 
 from . import _last_resource, protocol
+from ._verbs import BATCH, LAZY, SEND, verbs_of_branches
+from .batch_commit import batch_committer, batches
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog, HeuristicRecord
+from .early_prepare import send_prepare, senders
 from .errors import (
     CompletionPending,
     FencedError,
@@ -266,6 +269,8 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     if failure is not None:
         _abort(tx, (*result.commit, last.resource.name), failure)
     crash_point("tm.llr.after_commit")
+    if tx.last_carries:  # the log's own record: END into the log, as after a forced decision
+        return _commit_decided(tx, result.commit)
     resource = _last_resource.as_last(last.resource)
     return _commit_decided(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
 
@@ -323,8 +328,11 @@ def _phase_one(
     """Collect votes; stop at the first no (sequential) or wait for all (parallel)."""
     crash_point("tm.before_prepare")
     votes: dict[str, Vote | None] = {}
+    tx.verbs = verbs_of_branches(branches)
     if tx.runtime.parallel and len(branches) > 1:
         return _parallel_prepare(tx, branches)
+    if tx.verbs & SEND and len(branches) > 1:
+        return _prepare_in_flight(tx, branches)
     for index, branch in enumerate(branches, 1):
         if tx.caller_gave_up or (index > 1 and tx.timed_out()):
             # no decision can follow (the log refuses one past the deadline): stop making
@@ -339,9 +347,62 @@ def _phase_one(
     return votes, None
 
 
-def _prepare_one(tx: Transaction, branch: Branch) -> tuple[Vote | None, BaseException | None]:
+def _prepare_in_flight(
+    tx: Transaction, branches: list[Branch]
+) -> tuple[dict[str, Vote | None], BaseException | None]:
+    """Sequential phase one with prepares in flight (`early_prepare`): send the prepares that
+    can be sent, prepare the other branches in order (stopping at a no or the deadline), then
+    read every vote in flight, whatever happened meanwhile: none is left unread."""
+    votes: dict[str, Vote | None] = {}
+    error: BaseException | None = None
+    pending: list[tuple[Branch, Callable[[], Vote]]] = []
+    sending = senders(branches)
+    sent = {b.resource.name for b in sending}
+    for branch in sending:
+        try:
+            pending.append((branch, send_prepare(branch)))
+        except Exception as exc:
+            log.info("branch %s voted no: %r", branch.xid, exc)
+            votes[branch.resource.name], error = None, exc
+            crash_point(f"tm.after_prepare.{len(votes)}")
+            break
+    for branch in branches if error is None else ():
+        if branch.resource.name in sent:
+            continue
+        if tx.caller_gave_up or tx.timed_out():  # a prepare is already out: check every time
+            tx.rollback_reason = "timeout"
+            error = TransactionTimedOut(f"{tx.gtrid} timed out", gtrid=tx.gtrid)
+            break
+        vote, error = _prepare_one(tx, branch)
+        votes[branch.resource.name] = vote
+        crash_point(f"tm.after_prepare.{len(votes)}")
+        if vote in (None, Vote.ROLLBACK):
+            break
+    return votes, _read_votes(tx, pending, votes, error)
+
+
+def _read_votes(
+    tx: Transaction,
+    pending: Sequence[tuple[Branch, Callable[[], Vote]]],
+    votes: dict[str, Vote | None],
+    error: BaseException | None,
+) -> BaseException | None:
+    """Read every vote ``pending`` (each ``finish`` once, in order) into ``votes``; returns
+    ``error``, or the first no among them."""
+    for branch, finish in pending:
+        vote, refused = _prepare_one(tx, branch, finish)
+        votes[branch.resource.name] = vote
+        error = error or refused
+        crash_point(f"tm.after_prepare.{len(votes)}")
+    return error
+
+
+def _prepare_one(
+    tx: Transaction, branch: Branch, finish: Callable[[], Vote] | None = None
+) -> tuple[Vote | None, BaseException | None]:
+    """``branch``'s vote: its ``prepare``, or ``finish`` of a prepare in flight."""
     try:
-        vote = branch.resource.prepare(branch.xid)
+        vote = branch.resource.prepare(branch.xid) if finish is None else finish()
     except Exception as exc:
         log.info("branch %s voted no: %r", branch.xid, exc)
         return None, exc
@@ -355,24 +416,9 @@ def _parallel_prepare(
     tx: Transaction, branches: list[Branch]
 ) -> tuple[dict[str, Vote | None], BaseException | None]:
     pool = tx.runtime.branch_executor()
-    futures = [(b, pool.submit(b.resource.prepare, b.xid)) for b in branches]
+    pending = [(b, pool.submit(b.resource.prepare, b.xid).result) for b in branches]
     votes: dict[str, Vote | None] = {}
-    error: BaseException | None = None
-    for index, (branch, future) in enumerate(futures, 1):
-        vote, exc = _vote_from(tx, branch, future)
-        votes[branch.resource.name] = vote
-        error = error or exc
-        crash_point(f"tm.after_prepare.{index}")
-    return votes, error
-
-
-def _vote_from(
-    tx: Transaction, branch: Branch, future: Future[Vote]
-) -> tuple[Vote | None, BaseException | None]:
-    try:
-        return future.result(), None
-    except Exception as exc:
-        return None, exc
+    return votes, _read_votes(tx, pending, votes, None)
 
 
 def _abort(tx: Transaction, names: tuple[str, ...], error: BaseException | None) -> NoReturn:
@@ -440,12 +486,14 @@ def _phase_two(
     """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
-    latch = None  # only where a branch can commit lazily: the plain path allocates nothing
-    for branch in branches:
-        if commits_lazily(branch.resource) is not None:
-            latch = EndLatch()
-            break
-    if tx.runtime.parallel and len(branches) > 1:
+    verbs = tx.verbs  # phase one looked them up: these branches are among the ones it asked
+    # a latch only where a branch can commit lazily: the plain path allocates nothing
+    latch = EndLatch() if verbs & LAZY else None
+    grouped = batches(branches) if verbs & BATCH and len(branches) > 1 else None
+    answers: Iterator[BranchResult]
+    if grouped is not None:
+        answers = _batched_answers(tx, branches, grouped, latch)
+    elif tx.runtime.parallel and len(branches) > 1:
         pool = tx.runtime.branch_executor()
         pending = [pool.submit(_commit_branch, tx, b, latch) for b in branches]
         answers = (future.result() for future in pending)  # _commit_branch never raises
@@ -487,10 +535,70 @@ def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch | None) -> B
         else:
             reported = branch.resource.commit(branch.xid)
     except Exception as exc:
-        log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
-        tx.runtime.metrics.incr("commit_unreachable")
-        return BranchResult.UNREACHABLE
+        return _unconfirmed(tx, branch, exc)
     return judge_commit(tx.runtime.log, branch.xid.gtrid, branch.resource.name, reported)
+
+
+def _unconfirmed(tx: Transaction, branch: Branch, exc: BaseException) -> BranchResult:
+    log.warning("commit of %s not confirmed, left to recovery: %r", branch.xid, exc)
+    tx.runtime.metrics.incr("commit_unreachable")
+    return BranchResult.UNREACHABLE
+
+
+def _batched_answers(
+    tx: Transaction,
+    branches: list[Branch],
+    grouped: dict[str, list[Branch]],
+    latch: EndLatch | None,
+) -> Iterator[BranchResult]:
+    """Each branch's result in commit order, a batch (`batch_commit`) committed when its first
+    branch comes up; with ``parallel``, every batch and lone branch side by side."""
+    units: list[list[Branch]] = []
+    for branch in branches:
+        unit = grouped.get(branch.resource.name)
+        if unit is None:
+            units.append([branch])
+        elif unit[0] is branch:
+            units.append(unit)
+    if tx.runtime.parallel and len(units) > 1:
+        pool = tx.runtime.branch_executor()
+        pending = [pool.submit(_commit_unit, tx, unit, latch) for unit in units]
+        done: dict[str, BranchResult] = {}
+        for branch in branches:
+            if branch.resource.name not in done:
+                done.update(pending.pop(0).result())  # _commit_unit never raises
+            yield done[branch.resource.name]
+        return
+    done = {}
+    for branch in branches:
+        if branch.resource.name not in done:
+            done.update(_commit_unit(tx, units.pop(0), latch))
+        yield done[branch.resource.name]
+
+
+def _commit_unit(
+    tx: Transaction, unit: list[Branch], latch: EndLatch | None
+) -> dict[str, BranchResult]:
+    """Commit one branch alone, or a batch in one call to its first resource's
+    ``commit_batch``; never raises: what is not confirmed is left to recovery."""
+    if len(unit) == 1:
+        return {unit[0].resource.name: _commit_branch(tx, unit[0], latch)}
+    leader = batch_committer(unit[0].resource)
+    assert leader is not None  # batches() grouped only batch committers
+    try:
+        answers = leader.commit_batch([(b.resource, b.xid) for b in unit])
+        if len(answers) != len(unit):
+            raise TypeError(f"commit_batch answered {len(answers)} of {len(unit)} branches")
+    except Exception as exc:
+        answers = [exc] * len(unit)
+    results = {}
+    for branch, answer in zip(unit, answers, strict=True):
+        name = branch.resource.name
+        if isinstance(answer, BaseException):
+            results[name] = _unconfirmed(tx, branch, answer)
+        else:
+            results[name] = judge_commit(tx.runtime.log, tx.gtrid, name, answer)
+    return results
 
 
 def judge_commit(

@@ -10,13 +10,13 @@ either no decision (and fences it) or the final state.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .crashpoints import crash_point
 from .decision_log import Decision
 from .decision_log._memory import admit
 from .errors import FencedError, OutcomeUnknownError, TransactionTimedOut
-from .last_resource import LastResource, is_last_resource
+from .last_resource import CarryingLog, LastResource, is_last_resource
 from .resource import Resource
 from .states import TxState
 
@@ -24,10 +24,16 @@ if TYPE_CHECKING:
     from .transaction import Branch, Transaction
 
 
-def as_last(resource: Resource) -> LastResource:
+def as_last(resource: Resource[Any]) -> LastResource:
     if not is_last_resource(resource):  # the transaction only records last resources
         raise TypeError(f"{resource.name!r} is not a last resource")
     return resource
+
+
+def as_carrying(log: object) -> CarryingLog:
+    if not isinstance(log, CarryingLog):  # the manager names carriers only for such a log
+        raise TypeError(f"{log!r} cannot carry decisions in a participant's commit")
+    return log
 
 
 def commit_alone(tx: Transaction) -> TransactionTimedOut | None:
@@ -53,25 +59,25 @@ def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> Ba
     may exist; recovery reads it), or ROLLING_BACK (certainly not committed).
     """
     crash_point("tm.llr.before_commit")
-    resource = as_last(last.resource)
     started = time.perf_counter()
     with tx._lock:
-        failure = _commit(tx, resource, last, Decision(tx.gtrid, branches, tx.wall_deadline))
+        failure = _commit(tx, last, Decision(tx.gtrid, branches, tx.wall_deadline))
     if failure is None:
         tx.timings.append(("decision", time.perf_counter() - started))
-        tx.runtime.metrics.incr("last_resource_commits")
+        tx.runtime.metrics.incr("carried_decisions" if tx.last_carries else "last_resource_commits")
     return failure
 
 
-def _commit(
-    tx: Transaction, resource: LastResource, last: Branch, decision: Decision
-) -> BaseException | None:
+def _commit(tx: Transaction, last: Branch, decision: Decision) -> BaseException | None:
     try:
         if tx.caller_gave_up:
             raise FencedError(f"the caller of {tx.gtrid} gave up waiting (timeout)")
         decision = admit(decision, time.time)  # past its deadline: FencedError, nothing sent
         tx.runtime.log.check_owner()  # the node's lease (SQL log) is still ours
-        resource.commit_with_decision(last.xid, decision)
+        if tx.last_carries:  # the log's own record rides the carrier's commit
+            as_carrying(tx.runtime.log).commit_carried(last.resource, last.xid, decision)
+        else:
+            as_last(last.resource).commit_with_decision(last.xid, decision)
     except OutcomeUnknownError as exc:
         tx.llr_in_doubt = True
         tx.move_to(TxState.UNKNOWN)

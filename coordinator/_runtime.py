@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .decision_log import DecisionLog
 from .errors import LogWriteError
@@ -40,7 +40,7 @@ class Runtime(Generic[TxT]):
         phase_two_grace: float,
         max_workers: int,
         async_phase_two: bool = False,
-        register: Callable[[Resource], None],
+        register: Callable[[Resource[Any]], None],
         ended: Callable[[TxT], None],
         log_failed: Callable[[LogWriteError], None],
         complete: Callable[[TxT], Outcome],
@@ -64,6 +64,8 @@ class Runtime(Generic[TxT]):
         #: the completion entry points `Transaction.commit` and `Transaction.rollback` call
         self.complete = complete
         self.abort = abort
+        #: names of the resources whose commit can carry the log's own record (`CarryingLog`)
+        self.carriers: set[str] = set()
         self._max_workers = max_workers
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()

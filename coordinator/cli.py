@@ -3,182 +3,232 @@
 ``recover``, ``status``, ``forget`` and ``log inspect`` work on a decision log and the resources
 named in a config file (see `config`). Other packages add commands (``demo``, ``serve``) through
 the ``twopc.commands`` entry-point group, so this module never imports anything above the
-coordinator.
+coordinator. Every command, a plugin's too, runs inside `cli_edge.run_guarded`: a failure is one
+line ``twopc: [code] message`` and an exit code from `cli_edge.Exit`, never a traceback (``-v``
+adds it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 from . import config as config_mod
-from .decision_log import inspect_log
-from .errors import TransactionError
+from .cli_edge import Exit, Parser, interrupted, most_urgent, pipe_closed, run_guarded, say
+from .cli_output import emit_json, readable, table, when
+from .cli_status import DEFAULT_OLDER_THAN, cmd_status, require_log_directory, summarize
+from .decision_log import HeuristicRecord, inspect_log
+from .errors import ConfigurationError, InvalidXidError, NoHeuristicError
 from .manager import TransactionManager
+from .recovery import RecoveryReport
+from .recovery import progress as recovery_progress
+from .xid import Xid
 
 DEFAULT_CONFIG = "twopc.toml"
 
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain aligned text table; empty tables say so rather than print a bare header."""
-    if not rows:
-        return "(none)"
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+__all__ = ["DEFAULT_CONFIG", "build_parser", "main", "summarize", "table"]
 
 
-def _manager(cfg: config_mod.Config) -> TransactionManager:
-    return TransactionManager(
-        cfg.node_id,
-        cfg.build_log(),
-        cfg.build_resources(),
-        recover_on_start=False,
-        recovery_interval=None,
-        reaper_interval=None,
-        sub_branch_grace=cfg.sub_branch_grace,
-    )
+def _manager(cfg: config_mod.Config, config_path: str) -> TransactionManager:
+    """The node's manager, for one command: no background work, nothing run at start."""
+    require_log_directory(cfg, config_path)
+    log = cfg.build_log()
+    try:
+        resources = cfg.build_resources()
+        return TransactionManager(
+            cfg.node_id,
+            log,
+            resources,
+            recover_on_start=False,
+            recovery_interval=None,
+            reaper_interval=None,
+            sub_branch_grace=cfg.sub_branch_grace,
+        )
+    except BaseException:
+        log.close()  # release the lock (or lease) now, not at exit
+        raise
+
+
+# -- recover --------------------------------------------------------------------------------------
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
+    """One pass, now. Progress goes to stderr; the report to stdout; the exit code says what is
+    left: a live heuristic (`Exit.HEURISTIC`), a branch not finished (`Exit.UNREACHABLE`)."""
     cfg = config_mod.load(args.config)
-    with _manager(cfg) as tm:
+    with _progress_on_stderr(), _manager(cfg, args.config) as tm:
         report = tm.recover(force=True)
+        heuristics = tm.heuristics()
+    unfinished = [*report.failures]
+    if report.deferred:
+        unfinished.append(
+            f"{report.deferred} branches left undecided: a last resource could not say whether "
+            "they committed"
+        )
+    if args.json:
+        emit_json(
+            {
+                "committed": report.committed,
+                "rolled_back": [_gid_words(g) for g in report.rolled_back],
+                "not_finished": unfinished,
+                "heuristics": [_heuristic_dict(h) for h in heuristics],
+                "left_alone": report.left_alone,
+            }
+        )
+    else:
+        _print_recovery(report, unfinished, heuristics)
+    return most_urgent(
+        *([Exit.HEURISTIC] if heuristics else []), *([Exit.UNREACHABLE] if unfinished else [])
+    )
+
+
+def _print_recovery(
+    report: RecoveryReport, unfinished: list[str], heuristics: list[HeuristicRecord]
+) -> None:
     print(f"committed (re-driven): {len(report.committed)}")
     print(f"rolled back (presumed abort): {len(report.rolled_back)}")
-    print(f"heuristic outcomes: {len(report.heuristics)}")
-    for line in [*report.heuristics, *report.failures]:
+    print(f"not finished (run `twopc recover` again once it is reachable): {len(unfinished)}")
+    for line in unfinished:
         print(f"  {line}")
-    print(f"left alone (other nodes' branches): {report.left_alone}")
-    return 0 if report.clean else 1
+    print(f"heuristic outcomes (a human must look; `twopc forget` when done): {len(heuristics)}")
+    for h in heuristics:
+        print(f"  {_heuristic_line(h)}")
+    print(f"left alone (other nodes' branches, or not ours to decide): {report.left_alone}")
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    """Read-only: works while the application holds the log, and never changes it."""
-    cfg = config_mod.load(args.config)
-    if cfg.log is not None:
-        pending, heuristics, notes = summarize(inspect_log(cfg.log))
-        where = str(cfg.log)
-    else:
-        pending, heuristics, notes = _read_log(cfg)
-        where = f"the log of node {cfg.node_id} ({cfg.log_factory})"
-    now = time.time()
-    print(f"in-doubt transactions (committed, not every branch told) in {where}:")
-    print(
-        table(
-            ["gtrid", "branches", "age_s"],
-            [
-                (g, ",".join(r["branches"]), f"{now - r['written_at']:.1f}")
-                for g, r in pending.items()
-            ],
-        )
-    )
-    print("\nheuristic outcomes (a human must look; `twopc forget` when dealt with):")
-    print(
-        table(
-            ["gtrid", "branch", "outcome", "age_s", "detail"],
-            [
-                (
-                    r["gtrid"],
-                    r["branch"],
-                    r["outcome"],
-                    f"{now - r['recorded_at']:.1f}",
-                    r["detail"],
-                )
-                for r in heuristics
-            ],
-        )
-    )
-    for note in notes:
-        print(f"\nwarning: {note}")
-    return 1 if notes else 0
-
-
-def _read_log(
-    cfg: config_mod.Config,
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """Pending decisions and heuristics of a factory-built log, opened read-only."""
-    log = cfg.build_log(read_only=True)
+@contextlib.contextmanager
+def _progress_on_stderr() -> Iterator[None]:
+    """Recovery's progress lines on stderr, whatever ``-v`` says: a long pass shows it moves.
+    The per-failure warnings (``twopc.recovery``) stay as ``-v`` sets them; the report lists
+    every failure anyway. The logger is put back as it was (``main`` may run in a test)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("recover: %(message)s"))
+    level, propagate = recovery_progress.level, recovery_progress.propagate
+    recovery_progress.addHandler(handler)
+    recovery_progress.setLevel(logging.INFO)
+    recovery_progress.propagate = False
     try:
-        pending = {
-            d.gtrid: {"branches": d.branches, "written_at": d.written_at} for d in log.pending()
-        }
-        heuristics = [dataclasses.asdict(h) for h in log.heuristics()]
+        yield
     finally:
-        log.close()
-    return pending, heuristics, []
+        recovery_progress.removeHandler(handler)
+        recovery_progress.setLevel(level)
+        recovery_progress.propagate = propagate
 
 
-def summarize(
-    rows: list[dict[str, Any]],
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """Fold inspected records into (pending decisions, live heuristics, notes about the log)."""
-    pending: dict[str, dict[str, Any]] = {}
-    heuristics: dict[tuple[str, str], dict[str, Any]] = {}
-    notes: list[str] = []
-    for row in rows:
-        kind = row.get("kind")
-        if kind == "COMMIT":
-            pending[row["gtrid"]] = row
-        elif kind == "END":
-            pending.pop(row["gtrid"], None)
-        elif kind == "HEURISTIC":
-            heuristics[(row["gtrid"], row["branch"])] = row
-        elif kind == "FORGET":
-            for key in [k for k in heuristics if k[0] == row["gtrid"]]:
-                if row.get("branch") in (None, key[1]):
-                    del heuristics[key]
-        elif kind == "NOTE":
-            notes.append(str(row.get("note")))
-    return pending, list(heuristics.values()), notes
+def _gid_words(gid: str) -> str:
+    try:
+        xid = Xid.from_gid(gid)
+    except InvalidXidError:
+        return gid
+    return f"{xid.gtrid} on {xid.bqual}"
+
+
+def _heuristic_dict(h: HeuristicRecord) -> dict[str, Any]:
+    """A heuristic record for JSON: ISO time, null for no detail."""
+    return readable({**dataclasses.asdict(h), "detail": h.detail or None})
+
+
+def _heuristic_line(h: HeuristicRecord) -> str:
+    """``GTRID on BRANCH: OUTCOME (recorded TIME)``: what `twopc forget` takes, never a gid."""
+    recorded = when(h.recorded_at)
+    return f"{h.gtrid} on {h.branch}: {h.outcome}" + (f" (recorded {recorded})" if recorded else "")
+
+
+# -- forget ---------------------------------------------------------------------------------------
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
+    """Refuses anything but a live heuristic record of this node, so a typo writes nothing."""
     cfg = config_mod.load(args.config)
-    with _manager(cfg) as tm:
+    _check_gtrid(args.gtrid, args.branch, cfg.node_id)
+    with _manager(cfg, args.config) as tm:
+        matching = [
+            h for h in tm.heuristics()
+            if h.gtrid == args.gtrid and args.branch in (None, h.branch)
+        ]  # fmt: skip
+        if not matching:
+            which = f"{args.gtrid} on {args.branch}" if args.branch else args.gtrid
+            raise NoHeuristicError(
+                f"no heuristic outcome of {which} in the log of node {cfg.node_id}: nothing "
+                "forgotten, nothing written (`twopc status` lists the live ones)"
+            )
         tm.forget_heuristic(args.gtrid, args.branch)
-    print(
-        f"forgot heuristic outcome of {args.gtrid}" + (f" on {args.branch}" if args.branch else "")
-    )
-    return 0
+    if args.json:
+        emit_json({"forgotten": [_heuristic_dict(h) for h in matching]})
+    else:
+        for h in matching:
+            print(f"forgot {_heuristic_line(h)}")
+    return Exit.OK
+
+
+def _check_gtrid(gtrid: str, branch: str | None, node_id: str) -> None:
+    Xid.branch_of(gtrid, branch or "x")  # InvalidXidError for what no xid can hold
+    if not gtrid.startswith(f"{node_id}:"):
+        raise InvalidXidError(
+            f"invalid gtrid {gtrid[:80]!r}: node {node_id}'s gtrids start with '{node_id}:' "
+            "(copy it from `twopc status`)"
+        )
+
+
+# -- log inspect ----------------------------------------------------------------------------------
+
+_INSPECT_KEYS = ("segment", "offset", "kind", "gtrid")
 
 
 def cmd_log_inspect(args: argparse.Namespace) -> int:
-    rows = inspect_log(args.directory)
-    keys = ["segment", "offset", "kind", "gtrid"]
-    extra = sorted({k for row in rows for k in row} - set(keys))
-    print(table([*keys, *extra], [[row.get(k, "") for k in (*keys, *extra)] for row in rows]))
-    return 1 if any(row.get("kind") == "NOTE" for row in rows) else 0
+    rows = inspect_log(_log_directory(args.directory))
+    shown = [readable(row) for row in rows]
+    if args.json:
+        emit_json(shown)
+    else:
+        extra = sorted({k for row in shown for k in row} - set(_INSPECT_KEYS))
+        keys = [*_INSPECT_KEYS, *extra]
+        print(table(keys, [[row.get(k) for k in keys] for row in shown]))
+    return Exit.ATTENTION if any(row.get("kind") == "NOTE" for row in rows) else Exit.OK
+
+
+def _log_directory(path: str) -> str:
+    if not Path(path).is_dir():
+        what = "does not exist" if not Path(path).exists() else "is not a directory"
+        raise ConfigurationError(
+            f"{path} {what}: give the decision log's directory (the `log` of twopc.toml)"
+        )
+    return path
+
+
+# -- the parser and main ------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="twopc", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser = Parser(prog="twopc", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="log at INFO level, and print the traceback of a failure",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, func, help_ in (
-        ("recover", cmd_recover, "finish in-doubt transactions now"),
-        ("status", cmd_status, "list in-doubt and heuristic transactions (read-only)"),
-    ):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("-c", "--config", default=DEFAULT_CONFIG)
-        p.set_defaults(func=func)
+    recover = sub.add_parser("recover", help="finish in-doubt transactions now")
+    recover.set_defaults(func=cmd_recover)
+    status = sub.add_parser("status", help="list in-doubt and heuristic transactions (read-only)")
+    status.add_argument(
+        "--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
+        help=f"exit {int(Exit.IN_DOUBT)} when a transaction has been in doubt longer than this "
+        f"(default {DEFAULT_OLDER_THAN:g})",
+    )  # fmt: skip
+    status.set_defaults(func=cmd_status)
     forget = sub.add_parser("forget", help="forget a heuristic outcome an operator has dealt with")
-    forget.add_argument("gtrid")
-    forget.add_argument("--branch")
-    forget.add_argument("-c", "--config", default=DEFAULT_CONFIG)
+    forget.add_argument("gtrid", help="as `twopc status` prints it")
+    forget.add_argument("--branch", help="only this branch (default: every branch of the gtrid)")
     forget.set_defaults(func=cmd_forget)
+    for p in (recover, status, forget):
+        p.add_argument("-c", "--config", default=DEFAULT_CONFIG, help="default: ./twopc.toml")
+        p.add_argument("--json", action="store_true", help="print one JSON document")
     log_cmd = sub.add_parser("log", help="decision log tools").add_subparsers(
         dest="log_command", required=True
     )
@@ -186,23 +236,43 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="print every record of a log directory (read-only)"
     )
     inspect.add_argument("directory")
+    inspect.add_argument("--json", action="store_true", help="print one JSON document")
     inspect.set_defaults(func=cmd_log_inspect)
-    for plugin in entry_points(group="twopc.commands"):
-        plugin.load()(sub)
+    _add_plugins(sub)
     return parser
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
+
+
+def _add_plugins(sub: Any) -> None:
+    """Commands of other packages; one that fails to load is reported, the others still work."""
+    for plugin in entry_points(group="twopc.commands"):
+        try:
+            plugin.load()(sub)
+        except Exception as exc:
+            say(f"[plugin] commands of {plugin.value} not loaded: {type(exc).__name__}: {exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # while the plugins load
+        return interrupted()
+    except BrokenPipeError:  # `twopc --help | head -1`
+        return pipe_closed()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    try:
-        return int(args.func(args))
-    except TransactionError as exc:
-        print(f"twopc: {exc}", file=sys.stderr)
-        return 2
+    return run_guarded(lambda: args.func(args), verbose=args.verbose)
 
 
 if __name__ == "__main__":

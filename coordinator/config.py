@@ -21,20 +21,31 @@ it does not know (a Spark task's) before presuming it aborted: set it to what th
 (the Spark source's ``log.grace_seconds``), never less.
 
 JSON with the same keys works too (and is the only format on Python 3.10, which has no tomllib).
+
+Where a factory is found: ``package.module`` is imported with the **config file's folder first**
+on ``sys.path``, then the usual path (``PYTHONPATH``, the current directory when run as
+``python -m``, installed packages). So a ``twopc_factories.py`` beside ``twopc.toml`` is found
+without ``PYTHONPATH``, wherever ``twopc`` runs from; a module already imported (the standard
+library's, twopc's own) is not shadowed by a file of the same name there. The folder stays on the
+path while the factories run, so a factory may import its siblings lazily.
+
+A factory that cannot be imported, is not callable, raises (other than with a twopc error, which
+passes as it is), or builds the wrong thing is a `ConfigurationError` naming the factory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .decision_log import DecisionLog, FileDecisionLog
-from .errors import ConfigurationError
+from .errors import ConfigurationError, TransactionError
 from .resource import Resource
 from .xid import validate_node_id, validate_resource_name
 
@@ -46,34 +57,78 @@ class Config:
     resources: dict[str, str] = field(default_factory=dict)
     log_factory: str | None = None
     sub_branch_grace: float = 900.0
+    #: the config file's folder: factories are imported from here first (see the module doc)
+    base: Path | None = None
 
     def build_log(self, *, read_only: bool = False) -> DecisionLog:
         if self.log is not None:
             return FileDecisionLog(self.log)
         assert self.log_factory is not None  # load() requires one of the two
-        factory: Callable[..., Any] = load_object(self.log_factory)
-        built = factory(self.node_id, read_only=True) if read_only else factory(self.node_id)
+        with importable_from(self.base):
+            factory: Callable[..., Any] = load_object(self.log_factory)
+            kwargs = {"read_only": True} if read_only else {}
+            built = _called(
+                f"log factory {self.log_factory}", lambda: factory(self.node_id, **kwargs)
+            )
         if not isinstance(built, DecisionLog):
             raise ConfigurationError(f"log factory {self.log_factory} did not build a DecisionLog")
         return built
 
-    def build_resources(self) -> list[Resource]:
+    def build_resources(self) -> list[Resource[Any]]:
         built = []
-        for name, target in self.resources.items():
-            resource = load_object(target)()
-            if resource.name != name:
-                raise ConfigurationError(
-                    f"factory {target} built a resource named {resource.name!r}, "
-                    f"but the config names it {name!r}"
-                )
-            built.append(resource)
+        with importable_from(self.base):
+            for name, target in self.resources.items():
+                resource = _called(f"factory {target} of resource {name!r}", load_object(target))
+                if getattr(resource, "name", None) != name:
+                    raise ConfigurationError(
+                        f"factory {target} built {_what(resource)}, but the config names "
+                        f"it {name!r}"
+                    )
+                built.append(resource)
         return built
+
+
+def _what(built: object) -> str:
+    name = getattr(built, "name", None)
+    if isinstance(name, str):
+        return f"a resource named {name!r}"
+    return f"a {type(built).__name__}, not a resource"
+
+
+def _called(what: str, factory: Callable[[], Any]) -> Any:
+    """Call a factory; anything but a twopc error becomes a one-line `ConfigurationError`."""
+    try:
+        return factory()
+    except TransactionError:
+        raise  # already says who must act (a resource that is down is not a configuration error)
+    except Exception as exc:
+        raise ConfigurationError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def importable_from(folder: Path | None) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` for the duration, unless it is there already."""
+    entry = None if folder is None else str(folder.resolve())
+    if entry is None or entry in sys.path:
+        yield
+        return
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(entry)
 
 
 def load(path: str | Path) -> Config:
     path = Path(path)
     try:
         raw = _parse(path)
+    except FileNotFoundError as exc:
+        raise ConfigurationError(
+            f"no config file {path} (pass -c PATH; the default is twopc.toml in the current "
+            "directory)"
+        ) from exc
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"cannot read config {path}: {exc}") from exc
     if not isinstance(raw.get("node_id"), str):
@@ -101,6 +156,7 @@ def load(path: str | Path) -> Config:
         {str(k): str(v) for k, v in resources.items()},
         raw.get("log_factory"),
         float(grace),
+        path.parent,
     )
 
 
@@ -119,14 +175,25 @@ def _parse(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_object(target: str) -> Callable[[], Resource]:
+def load_object(target: str) -> Callable[[], Resource[Any]]:
     """``"package.module:attribute"`` -> the attribute, with an error that says what failed."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise ConfigurationError(f"factory {target!r} must look like 'package.module:function'")
     try:
-        obj = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"cannot load factory {target!r}: {exc} (looked in the config "
+            "file's folder, then on sys.path: PYTHONPATH and installed packages)"
+        ) from exc
+    except Exception as exc:  # the module itself fails: a syntax error, an import-time raise
+        raise ConfigurationError(
+            f"importing the module of factory {target!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        obj = getattr(module, attribute)
+    except AttributeError as exc:
         raise ConfigurationError(f"cannot load factory {target!r}: {exc}") from exc
     if not callable(obj):
         raise ConfigurationError(f"factory {target!r} is not callable")

@@ -59,6 +59,13 @@ class NoTransactionError(ProgrammingError):
     code = "no-transaction"
 
 
+class NoHeuristicError(ProgrammingError):
+    """Forgetting a heuristic outcome that the log does not hold (a typo, or already forgotten):
+    refused, so nothing is written and the real record, if any, stays."""
+
+    code = "no-heuristic"
+
+
 class ConfigurationError(ProgrammingError):
     """A manager or resource set up so that it cannot keep its promises."""
 

@@ -16,12 +16,21 @@ the database's unique key orders the two. A last resource that cannot answer sto
 abort of the pass (the gtrid may have its row there); nothing is guessed.
 
 A resource opts in by implementing this protocol and answering ``last_resource`` with True.
+
+**A decision log in a participant's database.** The same commit point, with the decision written
+as the *log's own* COMMIT record: a log that lives in a participant's database (`SqlDecisionLog`
+beside a PostgreSQL participant) implements `CarryingLog`, and the manager makes that participant
+the transaction's *carrier* whenever no explicit last resource joined. The carrier never
+prepares; its one-phase commit holds its data and the log's record together. Recovery is the
+log's, unchanged: the record is where the log keeps every decision, so no configuration change
+can hide it, and no last-resource lookup is needed. A carrier's lost answer is fenced by the log
+itself before it next reads its records (`CarryingLog.commit_carried`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Protocol, TypeGuard, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from .decision_log import Decision
 from .resource import Resource
@@ -29,7 +38,7 @@ from .xid import Xid
 
 
 @runtime_checkable
-class LastResource(Resource, Protocol):
+class LastResource(Resource[Any], Protocol):
     """A resource that can commit a branch in one phase together with the commit decision.
 
     ``last_resource``
@@ -74,7 +83,24 @@ class LastResource(Resource, Protocol):
         """Delete the commit rows of ``gtrids`` (and what `end_decision` queued) now."""
 
 
-def is_last_resource(resource: Resource) -> TypeGuard[LastResource]:
+@runtime_checkable
+class CarryingLog(Protocol):
+    """A decision log whose COMMIT record a participant's own local commit can carry."""
+
+    def carried_by(self, resource: Resource[Any]) -> bool:
+        """True if ``resource``'s one-phase commit can hold this log's record (it stores in the
+        log's own database, writable, at an isolation level the record's fence assumes).
+        Asked once per resource; any doubt answers False (the ordinary two-phase path)."""
+
+    def commit_carried(self, resource: Resource[Any], xid: Xid, decision: Decision) -> None:
+        """Write ``decision`` as this log's record inside ``resource``'s branch ``xid`` and
+        commit that branch in one phase: the same answers as
+        `LastResource.commit_with_decision`. After `OutcomeUnknownError` the log fences the
+        commit before it next lists its records, so recovery's read cannot race a late commit.
+        """
+
+
+def is_last_resource(resource: Resource[Any]) -> TypeGuard[LastResource]:
     """True for a resource that takes the last-resource part (an attribute read, no isinstance
     walk over the protocol: this runs on every join)."""
     return getattr(resource, "last_resource", False) is True

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from ._verbs import LAZY, verbs_of
 from .crashpoints import crash_point
 from .resource import Outcome
 from .xid import Xid
@@ -42,18 +43,9 @@ class LazyCommitter(Protocol):
     def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None: ...
 
 
-_LAZY_TYPES: dict[type, bool] = {}
-
-
 def commits_lazily(resource: object) -> LazyCommitter | None:
-    """The resource, if its class offers `commit_lazily`. Answered once per class: this runs
-    for every branch of every transaction, and a missing attribute costs an exception inside
-    ``getattr``."""
-    kind = type(resource)
-    lazy = _LAZY_TYPES.get(kind)
-    if lazy is None:
-        lazy = _LAZY_TYPES[kind] = callable(getattr(kind, "commit_lazily", None))
-    return resource if lazy else None  # type: ignore[return-value]
+    """The resource, if its class offers `commit_lazily` (`_verbs`: answered once per class)."""
+    return resource if verbs_of(resource) & LAZY else None  # type: ignore[return-value]
 
 
 class EndLatch:

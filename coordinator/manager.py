@@ -27,6 +27,7 @@ from .errors import (
     ProgrammingError,
     TransientError,
 )
+from .last_resource import CarryingLog
 from .metrics import Metrics
 from .recovery import Recovery, RecoveryReport
 from .resource import Outcome, Resource
@@ -153,7 +154,7 @@ class TransactionManager:
         self,
         node_id: str,
         log: DecisionLog,
-        resources: Iterable[Resource] = (),
+        resources: Iterable[Resource[Any]] = (),
         *,
         default_timeout: float | None = 60.0,
         parallel: bool = False,
@@ -177,7 +178,7 @@ class TransactionManager:
         self.default_timeout = default_timeout
         self.metrics = Metrics()
         self._gtrids = GtridFactory(node_id)
-        self._resources: dict[str, Resource] = {}
+        self._resources: dict[str, Resource[Any]] = {}
         self._lock = threading.Lock()
         self._recovery_lock = threading.Lock()
         self._in_flight: dict[str, Transaction] = {}
@@ -201,6 +202,7 @@ class TransactionManager:
             backoff or ExponentialBackoff(),
             sub_branch_grace=sub_branch_grace,
         )
+        self._recovery.retries_later = bool(recovery_interval)
         self._tickers: list[_reaper.Ticker] = []
         self._closed = False
         for resource in resources:
@@ -220,7 +222,7 @@ class TransactionManager:
 
     # -- resources -----------------------------------------------------------------------------
 
-    def register(self, resource: Resource) -> None:
+    def register(self, resource: Resource[Any]) -> None:
         """Make ``resource`` known for recovery; its name must be unique in this manager."""
         if self._resources.get(resource.name) is resource:
             return  # every join calls this: the known case must cost a dict lookup, no more
@@ -230,6 +232,8 @@ class TransactionManager:
             if known is not None and known is not resource:
                 raise ConfigurationError(f"two different resources are named {name!r}")
             self._resources[name] = resource
+        if isinstance(self.log, CarryingLog) and self.log.carried_by(resource):
+            self._runtime.carriers.add(name)
         gauges = getattr(resource, "gauges", None)
         if callable(gauges):
             # optional: a resource may export its own gauges (PostgreSQL: prepared count and age)
@@ -237,7 +241,7 @@ class TransactionManager:
             for key, read in gauges().items():
                 self.metrics.gauges[f"{prefix}_{key}"] = read
 
-    def resource(self, name: str) -> Resource:
+    def resource(self, name: str) -> Resource[Any]:
         return self._resources[name]
 
     # -- transactions ----------------------------------------------------------------------------

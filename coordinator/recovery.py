@@ -27,13 +27,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import protocol
 from ._completion import judge_commit, record_heuristic, write_end
 from .backoff import Backoff
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog
+from .errors import InvalidXidError, TransactionError
 from .last_resource import LastResource, is_last_resource
 from .metrics import Metrics
 from .protocol import Action, BranchResult
@@ -41,6 +42,10 @@ from .resource import Outcome, Resource
 from .xid import Xid, is_sub_branch_of, resource_of, sub_branch_born
 
 log = logging.getLogger("twopc.recovery")
+#: one INFO line per resource listed and per `PROGRESS_EVERY` branches resolved, so a long pass
+#: shows it is moving (`twopc recover` prints this logger on stderr)
+progress = logging.getLogger("twopc.recovery.progress")
+PROGRESS_EVERY = 100
 
 
 class InFlightGuard(Protocol):
@@ -51,10 +56,12 @@ class InFlightGuard(Protocol):
 
 @dataclass
 class RecoveryReport:
+    """What one pass did. Lines name a branch as ``gtrid on branch``, never by its base64 gid."""
+
     committed: list[str] = field(default_factory=list)  # gtrids whose decision was finished
     rolled_back: list[str] = field(default_factory=list)  # gids rolled back by presumed abort
-    heuristics: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # "what: error", retried later
+    heuristics: list[str] = field(default_factory=list)  # "gtrid on branch: outcome"
+    failures: list[str] = field(default_factory=list)  # "what: error", for a later pass
     deferred: int = 0  # waiting for their back-off
     left_alone: int = 0  # foreign or in flight
 
@@ -90,7 +97,7 @@ class Recovery:
         self,
         node_id: str,
         log_: DecisionLog,
-        resources: Mapping[str, Resource],
+        resources: Mapping[str, Resource[Any]],
         metrics: Metrics,
         backoff: Backoff,
         *,
@@ -104,6 +111,9 @@ class Recovery:
         self.resources = resources
         self.metrics = metrics
         self.retries = _Retries(backoff)
+        #: whether a later pass will come by itself (a manager with a recovery interval); a
+        #: one-shot pass (`twopc recover`) must not promise a retry
+        self.retries_later = True
         self._resolved = 0  # counts resolutions for the crash points recovery.after_resolve.<n>
 
     def run(
@@ -112,7 +122,10 @@ class Recovery:
         """One pass. ``force`` ignores back-off (an operator asked now)."""
         started = time.perf_counter()
         report = RecoveryReport()
-        for decision in self.log.pending():
+        pending = self.log.pending()
+        if pending:
+            progress.info("%d logged decisions to finish", len(pending))
+        for decision in pending:
             self._finish_decision(decision, guard, report, force)
         if presume_abort:
             decided = {d.gtrid for d in self.log.pending()}
@@ -121,7 +134,7 @@ class Recovery:
         self.metrics.incr("recovery_passes")
         return report
 
-    def _ordered_resources(self) -> list[Resource]:
+    def _ordered_resources(self) -> list[Resource[Any]]:
         return sorted(self.resources.values(), key=lambda r: (r.sort_key, r.name))
 
     # -- 1. re-drive decisions -----------------------------------------------------------------
@@ -149,7 +162,8 @@ class Recovery:
         resource = None if owner is None else self.resources.get(owner)
         xid = Xid.branch_of(gtrid, name)
         if resource is None:
-            return self._failed(gtrid, f"{xid}: resource {name!r} is not configured", report)
+            why = f"branch {name!r} names no configured resource (add it, same name)"
+            return self._failed(gtrid, why, report)
         try:
             reported = resource.commit(xid)
         except Exception as exc:
@@ -157,7 +171,7 @@ class Recovery:
         self._resolved_one()
         result = judge_commit(self.log, gtrid, name, reported)
         if result != BranchResult.DONE:
-            report.heuristics.append(f"{xid}: {result.value}")
+            report.heuristics.append(f"{describe(xid)}: {result.value}")
         return True
 
     # -- 2. presumed abort ---------------------------------------------------------------------
@@ -166,7 +180,7 @@ class Recovery:
         self, decided: set[str], guard: InFlightGuard, report: RecoveryReport, force: bool
     ) -> None:
         """List every resource, then ask the last resources about the undecided, then act."""
-        candidates: list[tuple[Resource, Xid]] = []
+        candidates: list[tuple[Resource[Any], Xid]] = []
         prepared: Counter[str] = Counter()  # listed branches per gtrid still prepared
         complete = True  # every resource listed: a decision row without prepared branches is done
         for resource in self._ordered_resources():
@@ -196,7 +210,9 @@ class Recovery:
         if complete:
             self._drop_ended_decisions(lasts, set(+prepared), guard)
 
-    def _list(self, resource: Resource, report: RecoveryReport, force: bool) -> list[Xid] | None:
+    def _list(
+        self, resource: Resource[Any], report: RecoveryReport, force: bool
+    ) -> list[Xid] | None:
         key = f"recover:{resource.name}"
         if not (force or self.retries.is_due(key)):
             report.deferred += 1
@@ -207,18 +223,19 @@ class Recovery:
             self._failed(key, exc, report)
             return None
         self.retries.succeeded(key)
+        progress.info("resource %s lists %d prepared branches", resource.name, len(prepared))
         return prepared
 
     def _undecided(
         self,
-        resource: Resource,
+        resource: Resource[Any],
         prepared: list[Xid],
         decided: set[str],
         guard: InFlightGuard,
         report: RecoveryReport,
         *,
         force: bool,
-    ) -> list[tuple[Resource, Xid]]:
+    ) -> list[tuple[Resource[Any], Xid]]:
         """The listed branches that are ours, settled, due, and without a logged decision."""
         found = []
         for xid in prepared:
@@ -258,7 +275,7 @@ class Recovery:
         crash_point("recovery.llr.after_lookup")
         return committed, True
 
-    def _commit_listed(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
+    def _commit_listed(self, resource: Resource[Any], xid: Xid, report: RecoveryReport) -> bool:
         """A branch whose decision is a last resource's row: commit it (idempotent)."""
         try:
             reported = resource.commit(xid)
@@ -271,7 +288,7 @@ class Recovery:
         self.metrics.incr("recovered_commits")
         result = judge_commit(self.log, xid.gtrid, xid.bqual, reported)
         if result != BranchResult.DONE:
-            report.heuristics.append(f"{xid}: {result.value}")
+            report.heuristics.append(f"{describe(xid)}: {result.value}")
         return True
 
     def _drop_ended_decisions(
@@ -293,7 +310,7 @@ class Recovery:
             except Exception as exc:  # only housekeeping: the rows are retried next pass
                 log.warning("decision rows of %s not cleaned up: %r", resource.name, exc)
 
-    def _rollback(self, resource: Resource, xid: Xid, report: RecoveryReport) -> bool:
+    def _rollback(self, resource: Resource[Any], xid: Xid, report: RecoveryReport) -> bool:
         try:
             # Presumed abort is a decision too: once another process owns our node (a lease taken
             # over), the branch may be its in-flight transaction, so a fenced log stops us here.
@@ -307,7 +324,7 @@ class Recovery:
         self.metrics.incr("presumed_aborts")
         if reported == Outcome.HEURISTIC_COMMIT:
             record_heuristic(self.log, xid.gtrid, resource.name, reported)
-            report.heuristics.append(f"{xid}: {reported.value}")
+            report.heuristics.append(f"{describe(xid)}: {reported.value}")
         return True
 
     def _young(self, xid: Xid) -> bool:
@@ -320,11 +337,43 @@ class Recovery:
     def _failed(self, key: str, error: BaseException | str, report: RecoveryReport) -> bool:
         exc = error if isinstance(error, BaseException) else RuntimeError(error)
         self.retries.failed(key, exc)
-        report.failures.append(f"{key}: {exc!r}")
+        what, why = describe_key(key), error if isinstance(error, str) else describe_error(exc)
+        report.failures.append(f"{what}: {why}")
         self.metrics.incr("recovery_failures")
-        log.warning("recovery of %s failed, will retry: %r", key, exc)
+        if self.retries_later:
+            log.warning("recovery: %s failed, will retry: %s", what, why)
+        else:
+            log.warning("recovery: %s failed: %s", what, why)
         return False
 
     def _resolved_one(self) -> None:
         self._resolved += 1
+        if self._resolved % PROGRESS_EVERY == 0:
+            progress.info("%d branches resolved so far", self._resolved)
         crash_point(f"recovery.after_resolve.{self._resolved}")
+
+
+def describe(xid: Xid) -> str:
+    """A branch as an operator reads it (the gtrid `twopc forget` takes), not its base64 gid."""
+    return f"{xid.gtrid} on {xid.bqual}"
+
+
+def describe_key(key: str) -> str:
+    """A retry key (a gtrid, a branch's gid, ``recover:<resource>``, ``decisions:<resource>``)
+    in words."""
+    kind, sep, name = key.partition(":")
+    if sep and kind == "recover":
+        return f"listing resource {name}"
+    if sep and kind == "decisions":
+        return f"asking last resource {name} for its decisions"
+    try:
+        return describe(Xid.from_gid(key))
+    except InvalidXidError:
+        return key  # a gtrid
+
+
+def describe_error(exc: BaseException) -> str:
+    """An error in one line, without a Python repr: twopc's carry their code already."""
+    if isinstance(exc, TransactionError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -8,7 +8,7 @@ what the coordinator relies on; a resource that breaks one can lose money.
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from .xid import Xid
 
@@ -50,9 +50,16 @@ class Outcome(enum.Enum):
         return self.value.startswith("heuristic")
 
 
+#: the handle a resource's branch gives the application (a `Session`, a `RedisBranch`, ...)
+Handle_co = TypeVar("Handle_co", covariant=True)
+
+
 @runtime_checkable
-class Resource(Protocol):
+class Resource(Protocol[Handle_co]):
     """An XA-style resource manager that can enlist in a two-phase-commit transaction.
+
+    Generic in the handle its branches give the application, so ``tx.join(resource)`` is typed:
+    a `Resource[Session]` joins as a `Session`. ``Resource[Any]`` accepts every resource.
 
     ``name``
         Stable and unique within a manager; it is written into the decision log and becomes the
@@ -68,7 +75,7 @@ class Resource(Protocol):
     @property
     def sort_key(self) -> str: ...
 
-    def start(self, xid: Xid) -> Any:
+    def start(self, xid: Xid) -> Handle_co:
         """Open a branch and return the handle the application works with (``tx.join`` returns it).
 
         Called once per transaction and resource. Raising here fails the join, not the transaction.

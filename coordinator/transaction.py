@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._runtime import Runtime
 from .errors import (
@@ -27,12 +27,14 @@ from .xid import Xid
 
 log = logging.getLogger("twopc.transaction")
 
+H = TypeVar("H")  # the handle of the resource being joined
+
 
 @dataclass
 class Branch:
     """One resource's part of a transaction."""
 
-    resource: Resource
+    resource: Resource[Any]
     xid: Xid
     handle: Any
 
@@ -82,6 +84,9 @@ class Transaction:
         self.branches: dict[str, Branch] = {}
         #: the branch of the one last resource that joined (`coordinator.last_resource`), if any
         self.last_branch: Branch | None = None
+        #: ``last_branch`` is not a last resource but the carrier of the decision log's own
+        #: record: a participant in the log's database (`coordinator.last_resource.CarryingLog`)
+        self.last_carries = False
         self.synchronizations: list[Synchronization] = []
         #: set when the caller stopped waiting before the commit point: no decision may follow
         self.caller_gave_up = False
@@ -94,6 +99,9 @@ class Transaction:
         self.reaped = False
         #: decided, and phase two handed to a background worker (``async_phase_two``)
         self.handed_off = False
+        #: the optional verbs (`_verbs`) of the branches phase one asked: phase two's are among
+        #: them, so it need not look again
+        self.verbs = 0
         #: (phase, seconds) measured by completion, recorded into the metrics in one go
         self.timings: list[tuple[str, float]] = []
         #: branches told to roll back that did not confirm it: they may still hold this attempt's
@@ -110,7 +118,7 @@ class Transaction:
 
     # -- work phase --------------------------------------------------------------------------
 
-    def join(self, resource: Resource) -> Any:
+    def join(self, resource: Resource[H]) -> H:
         """Enlist ``resource`` and return its handle; joining twice returns the same handle."""
         with self._lock:
             self._check_alive("join")
@@ -118,9 +126,9 @@ class Transaction:
             if branch is not None:
                 if branch.resource is not resource:
                     raise IllegalStateError(f"another resource named {resource.name!r} joined")
-                return branch.handle
+                return branch.handle  # type: ignore[no-any-return]  # the same resource: its H
             last = is_last_resource(resource)
-            if last and self.last_branch is not None:
+            if last and self.last_branch is not None and not self.last_carries:
                 raise ProgrammingError(
                     f"{resource.name!r} is a last resource and {self.last_branch.resource.name!r} "
                     "already joined as one: a transaction may have at most one last resource"
@@ -129,8 +137,10 @@ class Transaction:
             xid = Xid._checked_parts(self.gtrid, resource.name)
             handle = resource.start(xid)
             branch = self.branches[resource.name] = Branch(resource, xid, handle)
-            if last:
-                self.last_branch = branch
+            if last:  # an explicit last resource takes over from a carrier
+                self.last_branch, self.last_carries = branch, False
+            elif self.last_branch is None and resource.name in self.runtime.carriers:
+                self.last_branch, self.last_carries = branch, True
             return handle
 
     def set_rollback_only(self, reason: str = "application") -> None:

@@ -12,21 +12,23 @@ attached, and this process exits at once. Replay and purge name their messages (
 repeated) or say ``--all``; nothing is purged by default.
 
 Output is an aligned table, or JSON with ``--json`` (one document on stdout). Errors print
-``twopc: [code] message`` and exit 2 (see `coordinator.cli.main`); a replay or purge whose ids
-were not all found exits 1.
+``twopc: [code] message`` and exit with the code of `coordinator.cli_edge.Exit` (2 usage,
+configuration or a ``--dir`` its running server holds, 5 no server answers at ``--connect``); a
+replay or purge whose ids were not all found exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from coordinator.cli import table
+from coordinator.cli_output import cell as _cell
+from coordinator.cli_output import emit_json as _json
+from coordinator.cli_output import table, when
 from coordinator.errors import ConfigurationError, LogLockedError
 from resource_managers.cursor import (
     DEFAULT_MAX_DELIVERIES,
@@ -262,7 +264,7 @@ def dead_letter_row(d: Delivery) -> dict[str, Any]:
         "destination": m.destination,
         "priority": m.priority,
         "persistent": m.persistent,
-        "expires_at": m.expires_at,
+        "expires_at": when(m.expires_at),
         "headers": dict(m.headers),
     }
 
@@ -306,17 +308,3 @@ def cmd_queue_set_transactional(args: argparse.Namespace) -> int:
     else:
         print(f"{args.queue} is {'' if transactional else 'non-'}transactional")
     return 0
-
-
-# -- output -------------------------------------------------------------------------------------
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return "-" if value is None else str(value)
-
-
-def _json(value: object) -> None:
-    json.dump(value, sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")

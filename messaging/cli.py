@@ -13,10 +13,12 @@ The shared secret comes from ``--secret-file`` or the ``TWOPC_SECRET`` environme
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from coordinator.errors import ConfigurationError
 from resource_managers.cursor import DEFAULT_MAX_DELIVERIES, DEFAULT_PRECOUNT
@@ -29,6 +31,16 @@ from .topics import DEFAULT_DISPATCH_WORKERS
 
 if TYPE_CHECKING:
     from .server import CursorServer, LogServer
+
+_Server = TypeVar("_Server")
+
+#: why a listener cannot bind, in words an operator can act on
+_BIND_ERRORS = {
+    errno.EADDRINUSE: "address already in use: another process listens there (an earlier "
+    "`twopc serve`?); stop it, or choose another --listen",
+    errno.EADDRNOTAVAIL: "no interface of this machine has that address; check --listen",
+    errno.EACCES: "permission denied: ports below 1024 need privileges; choose another --listen",
+}
 
 
 def register(sub: Any) -> None:
@@ -120,12 +132,27 @@ def _serve_until_signalled(
     return 0
 
 
+def _built(args: argparse.Namespace, build: Callable[[], _Server]) -> _Server:
+    """The server, or a one-line `ConfigurationError` for the operator's mistakes around it: a
+    ``--dir`` that is a file, a ``--listen`` address that cannot be bound."""
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        raise ConfigurationError(f"--dir {args.dir} is a file, not a journal directory")
+    try:
+        return build()
+    except OSError as exc:
+        why = _BIND_ERRORS.get(exc.errno or 0)
+        if why is None or exc.filename is not None:  # a file's error: the generic edge says it
+            raise
+        raise ConfigurationError(f"cannot listen on {args.listen}: {why}") from exc
+
+
 def run_log(args: argparse.Namespace) -> int:
     from .server import LogServer  # noqa: PLC0415 - `twopc` loads every plugin at start
 
     tls = _tls(args)
     client_tls = TlsConfig(cafile=args.tls_ca).client_context() if args.tls_ca else None
-    server = LogServer(
+    routes = [parse_route(text) for text in args.route]  # refused before anything is opened
+    server = _built(args, lambda: LogServer(
         args.dir,
         secret_from(args),
         cursor=parse_address(args.cursor),
@@ -136,8 +163,8 @@ def run_log(args: argparse.Namespace) -> int:
         cursor_id=args.cursor_id,
         max_message_bytes=args.max_message_bytes,
         max_destination_messages=args.max_destination_messages,
-        routes=[parse_route(text) for text in args.route],
-    )
+        routes=routes,
+    ))  # fmt: skip
     mlog = server.mlog  # the cursor keeps this log's streams under its identity
     notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
     return _serve_until_signalled(server, server.address, notice)
@@ -147,7 +174,7 @@ def run_cursor(args: argparse.Namespace) -> int:
     from .server import CursorServer  # noqa: PLC0415
 
     tls = _tls(args)
-    server = CursorServer(
+    server = _built(args, lambda: CursorServer(
         args.dir,
         secret_from(args),
         listen=parse_address(args.listen),
@@ -156,5 +183,5 @@ def run_cursor(args: argparse.Namespace) -> int:
         max_deliveries=args.max_deliveries,
         dispatch_workers=args.dispatch_workers,
         precount=args.precount,
-    )
+    ))  # fmt: skip
     return _serve_until_signalled(server, server.address)

@@ -6,17 +6,20 @@ record that its owner cannot replay (`UnreplayableRecordError` at open), without
 ``check`` reports the first such record, read-only. ``quarantine`` moves it aside when it is
 exactly the record named (``--segment``, ``--offset``, as the open's error printed them), keeps
 it in ``<dir>/quarantine/``, and reports what it held. Both take the journal's lock, so they are
-refused while the server runs. Errors print ``twopc: [code] message`` and exit 2; ``check``
-exits 1 when it found a record.
+refused while the server runs. Errors print ``twopc: [code] message`` and exit with the code of
+`coordinator.cli_edge.Exit` (2 for a journal its server holds); ``check`` exits 1 when it found a
+record.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
 from coordinator.decision_log import journal_replay as decisions_replay
+from coordinator.errors import ConfigurationError
 from coordinator.journal import find_unreplayable, quarantine
 from resource_managers.cursor import journal_replay as cursor_replay
 from resource_managers.message_log import journal_replay as log_replay
@@ -50,7 +53,16 @@ def _target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", required=True, choices=sorted(KINDS), help="the store it belongs to")
 
 
+def _journal_dir(path: str) -> str:
+    """A typo must be said as one, not as a lock file that cannot be opened."""
+    if not os.path.isdir(path):
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise ConfigurationError(f"--dir {path} {what}: give the store's journal directory")
+    return path
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    _journal_dir(args.dir)
     found = find_unreplayable(args.dir, KINDS[args.kind]())
     if found is None:
         print(f"every record of {args.dir} replays")
@@ -61,6 +73,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
+    _journal_dir(args.dir)
     moved = quarantine(
         args.dir, KINDS[args.kind](), args.segment, args.offset, after_keep=AFTER_KEEP
     )

@@ -103,6 +103,7 @@ class LogServer:
                 resend=resend,
                 streams=routed(address),
                 name="transfer" if address == cursor else f"transfer-{address[0]}:{address[1]}",
+                peer=f"{address[0]}:{address[1]}",
             )
             for address in self.router.cursors()
         }

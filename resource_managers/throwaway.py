@@ -1,11 +1,17 @@
-"""Throwaway PostgreSQL clusters and Redis servers, started from local binaries.
+"""Throwaway PostgreSQL clusters and Redis servers, started from local binaries: a public testing
+helper.
 
-For `twopc demo`, the test suite and the benchmarks: each server gets a private data directory, a
-free port on 127.0.0.1 and settings fit for two-phase commit (``max_prepared_transactions`` > 0,
+Why it is public and lives here: an application that enlists PostgreSQL or Redis in twopc
+transactions needs the same thing twopc's own suite needs to test it honestly — a real server it may
+``kill -9`` and restart on the same data, configured for two-phase commit — and nothing else in the
+ecosystem starts one without Docker. It imports only the standard library, and nothing of twopc, so
+it costs a library user nothing. `twopc demo`, the test suite and the benchmarks use it;
+`docs/operations.md` ("Testing your own code") shows it. Each server gets a private data directory,
+a free port on 127.0.0.1 and settings fit for two-phase commit (``max_prepared_transactions`` > 0,
 ``fsync=on``; Redis with ``appendonly yes`` + ``appendfsync always``). Every server runs in its own
-process group, so `kill9` takes down the postmaster *and* its backends at once, as a machine
-crash would; `restart` then starts it again on the same data directory, which is what crash tests
-need to prove that a prepared transaction or a staged write survived.
+process group, so `kill9` takes down the postmaster *and* its backends at once, as a machine crash
+would; `restart` then starts it again on the same data directory, which is what crash tests need to
+prove that a prepared transaction or a staged write survived.
 
 Running as root, PostgreSQL refuses to start (initdb says why), so the cluster is created and run
 as the ``postgres`` user when there is one. The binaries are looked up on PATH and in Debian's

@@ -38,13 +38,13 @@ class Opened:
     targets' order; ``ledger_resource`` is the driver's branch on the log database."""
 
     config: WriteConfig
-    resources: dict[str, Resource]
+    resources: dict[str, Resource[Any]]
     log_engine: Engine
     ledger: Ledger
-    ledger_resource: PostgresResource
+    ledger_resource: PostgresResource[Any]
     _stack: ExitStack = field(default_factory=ExitStack)
 
-    def all_resources(self) -> list[Resource]:
+    def all_resources(self) -> list[Resource[Any]]:
         return [*self.resources.values(), self.ledger_resource]
 
     def target(self, name: str) -> Target:
@@ -96,7 +96,7 @@ def secret_of(target: MessageLogTarget) -> SharedSecret:
     )
 
 
-def _open(target: Target, stack: ExitStack) -> Resource:
+def _open(target: Target, stack: ExitStack) -> Resource[Any]:
     if isinstance(target, PostgresTarget):
         engine = _engine(target.url)
         stack.callback(engine.dispose)
@@ -130,7 +130,7 @@ def open_targets(config: WriteConfig) -> Iterator[Opened]:
         yield opened
 
 
-def rollback_quietly(resource: Resource, xid: Xid) -> bool:
+def rollback_quietly(resource: Resource[Any], xid: Xid) -> bool:
     """Roll a branch back; one that cannot be reached now is left to recovery (False)."""
     try:
         resource.rollback(xid)
@@ -141,7 +141,7 @@ def rollback_quietly(resource: Resource, xid: Xid) -> bool:
 
 
 def rollback_prepared(
-    resources: Iterable[Resource], select: Callable[[Xid], bool]
+    resources: Iterable[Resource[Any]], select: Callable[[Xid], bool]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Roll back every prepared branch ``select`` picks from each resource's ``recover()``: the
     driver's sweep of a gtrid and an executor's retirement of its partition's other attempts.

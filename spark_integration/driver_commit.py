@@ -33,11 +33,10 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator import (
-    Decision,
     FencedError,
-    HeuristicRecord,
     LogWriteError,
     ProgrammingError,
     Resource,
@@ -45,7 +44,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.decision_log import DecisionLog
+from coordinator.decision_log import Decision, DecisionLog, HeuristicRecord
 from coordinator.protocol import BranchResult, branch_result
 from coordinator.xid import resource_of
 
@@ -213,7 +212,7 @@ def _finish(
     )
 
 
-def _commit(resource: Resource, xid: Xid, decision_log: DecisionLog) -> bool:
+def _commit(resource: Resource[Any], xid: Xid, decision_log: DecisionLog) -> bool:
     """Commit one branch, a few tries; a heuristic outcome is recorded, not raised."""
     for attempt in range(COMMIT_TRIES):
         try:

@@ -19,17 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from coordinator.errors import TransactionError
 from coordinator.resource import Outcome
 from coordinator.xid import Xid
 from messaging.connection import Connection
 
-from ._replies import _outcome
-
-if TYPE_CHECKING:
-    from ._resource import _RemoteResource
+#: reads the answer to one ``XA_COMMIT`` (connection, request id, seconds left): the server's
+#: outcome, its refusal (`TransactionError`), or any other exception when no answer came
+ReadOutcome = Callable[[Connection, int, float], "Outcome | None"]
 
 log = logging.getLogger("twopc.remote")
 
@@ -46,8 +44,22 @@ class _Pending:
 class CommitReplies:
     """The commits of one remote resource whose answers are still to come, oldest first."""
 
-    def __init__(self, resource: _RemoteResource) -> None:
-        self._resource = resource
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        *,
+        read: ReadOutcome,
+        release: Callable[[Connection], None],
+        commit_again: Callable[[Xid], Outcome | None],
+    ) -> None:
+        """``release`` gives a connection that is in step back to its pool; ``commit_again``
+        asks once more, the ordinary way, when no answer came."""
+        self._name = name
+        self._timeout = timeout
+        self._read = read
+        self._release = release
+        self._commit_again = commit_again
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -55,11 +67,11 @@ class CommitReplies:
     def expect(
         self, conn: Connection, request_id: int, xid: Xid, on_durable: Callable[[], None]
     ) -> None:
-        deadline = time.monotonic() + self._resource.timeout
+        deadline = time.monotonic() + self._timeout
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._run, name=f"twopc-commit-replies-{self._resource.name}",
+                    target=self._run, name=f"twopc-commit-replies-{self._name}",
                     daemon=True,
                 )  # fmt: skip
                 self._thread.start()
@@ -69,13 +81,13 @@ class CommitReplies:
         """Return once every answer expected so far has been handled, or after the resource's
         timeout (twice: an answer, then one more try): what is still open then stays with the
         decision for recovery."""
-        deadline = time.monotonic() + 2 * self._resource.timeout
+        deadline = time.monotonic() + 2 * self._timeout
         with self._queue.all_tasks_done:
             while self._queue.unfinished_tasks:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("%s: %d commit answer(s) still awaited; recovery re-drives them",
-                                self._resource.name, self._queue.unfinished_tasks)  # fmt: skip
+                                self._name, self._queue.unfinished_tasks)  # fmt: skip
                     return
                 self._queue.all_tasks_done.wait(left)
 
@@ -87,36 +99,32 @@ class CommitReplies:
                     return
                 self._settle(pending)
             except Exception:
-                log.exception("%s: handling a commit answer failed", self._resource.name)
+                log.exception("%s: handling a commit answer failed", self._name)
             finally:
                 self._queue.task_done()
 
     def _settle(self, p: _Pending) -> None:
-        resource = self._resource
         try:
-            left = max(0.0, p.deadline - time.monotonic())
-            outcome: Outcome | None = resource._answer(
-                p.conn, p.request_id, "XA_COMMIT", left, _outcome
-            )
+            outcome = self._read(p.conn, p.request_id, max(0.0, p.deadline - time.monotonic()))
         except TransactionError as exc:  # the server's own answer: the connection is in step
-            resource._pool.release(p.conn)
+            self._release(p.conn)
             log.warning("%s: commit of %s refused (%s); recovery re-drives it",
-                        resource.name, p.xid, exc)  # fmt: skip
+                        self._name, p.xid, exc)  # fmt: skip
             return
         except Exception as exc:  # no answer: once more, the ordinary way
             p.conn.close()  # already closed when out of step; never back to the pool
-            log.info("%s: no answer to the commit of %s (%r); asking again", resource.name,
+            log.info("%s: no answer to the commit of %s (%r); asking again", self._name,
                      p.xid, exc)  # fmt: skip
             try:
-                outcome = resource._commit_prepared(p.xid)
+                outcome = self._commit_again(p.xid)
             except Exception as again:
                 log.warning("%s: commit of %s not confirmed (%r); recovery re-drives it",
-                            resource.name, p.xid, again)  # fmt: skip
+                            self._name, p.xid, again)  # fmt: skip
                 return
         else:
-            resource._pool.release(p.conn)
+            self._release(p.conn)
         if outcome is not None and outcome.is_heuristic:
             log.error("%s: commit of %s answered %s; recovery records and reports it",
-                      resource.name, p.xid, outcome.value)  # fmt: skip
+                      self._name, p.xid, outcome.value)  # fmt: skip
             return
         p.on_durable()

@@ -80,7 +80,13 @@ class _RemoteResource:
         )  # fmt: skip
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._replies = CommitReplies(self)
+        self._replies = CommitReplies(
+            self._name, timeout,
+            read=lambda conn, request_id, left: self._answer(
+                conn, request_id, "XA_COMMIT", left, _outcome
+            ),
+            release=self._pool.release, commit_again=self._commit_prepared,
+        )  # fmt: skip
         self.lazy_commit = lazy_commit
 
     @property

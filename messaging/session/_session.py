@@ -50,8 +50,8 @@ class Session:
         self,
         tm: TransactionManager,
         *,
-        cursor: Resource | None = None,
-        log: Resource | None = None,
+        cursor: Resource[Any] | None = None,
+        log: Resource[Any] | None = None,
         mode: AckMode | str = AckMode.AUTO,
         dups_ok_batch: int = DEFAULT_DUPS_OK_BATCH,
         client_id: str | None = None,
@@ -422,7 +422,7 @@ class Session:
             return contextvars.Context().run(self.tm.begin)
         return contextvars.Context().run(self.tm.begin, self._tx_timeout)
 
-    def _join(self, resource: Resource) -> Any:
+    def _join(self, resource: Resource[Any]) -> Any:
         """Join ``resource`` to the open transaction. A transaction that cannot take a branch
         (the reaper marked it, say) is rolled back and forgotten: the error reports it once."""
         tx = self._open()
@@ -458,12 +458,12 @@ class Session:
         if self._closed:
             raise IllegalStateError("the session is closed")
 
-    def _consumer_resource(self) -> Resource:
+    def _consumer_resource(self) -> Resource[Any]:
         if self._cursor is None:
             raise ProgrammingError("this session has no cursor: it cannot receive")
         return self._cursor
 
-    def _producer_resource(self) -> Resource:
+    def _producer_resource(self) -> Resource[Any]:
         self._check_open()
         if self._log is None:
             raise ProgrammingError("this session has no message log: it cannot send")

@@ -4,18 +4,15 @@ subscribers)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 from coordinator import IllegalStateError, ProgrammingError, Resource
 from resource_managers.cursor import Subscription
 
-from ._types import Handler, Received, TopicVerbs
-
-if TYPE_CHECKING:
-    from ._session import Session
+from ._types import Handler, Received, SessionLike, TopicVerbs
 
 
-def topic_verbs(cursor: Resource) -> TopicVerbs:
+def topic_verbs(cursor: Resource[Any]) -> TopicVerbs:
     """``cursor`` as the subscription verbs, or a clear error if it has none."""
     if not callable(getattr(cursor, "subscribe", None)):
         raise ProgrammingError(f"{cursor!r} has no topic subscriptions")
@@ -29,7 +26,7 @@ class Subscriber:
 
     def __init__(
         self,
-        session: Session,
+        session: SessionLike,
         verbs: TopicVerbs,
         subscription: Subscription,
         on_close: Callable[[Subscriber], None],

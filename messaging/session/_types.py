@@ -6,13 +6,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from resource_managers.cursor import Delivery, Subscription
 from resource_managers.message_log import Message
-
-if TYPE_CHECKING:
-    from ._session import Session
 
 
 class AckMode(enum.Enum):
@@ -76,6 +73,30 @@ class TopicVerbs(Protocol):
     def detach(self, topic: str, name: str) -> None: ...
 
 
+class SessionLike(Protocol):
+    """What a received message and a subscriber ask of the session they came by (`Session` is
+    one): narrow, so these values need not know the session's class."""
+
+    def receive(self, queue: str, timeout: float | None = 0.0) -> Received | None: ...
+
+    def consume(
+        self,
+        queue: str,
+        handler: Handler,
+        *,
+        max_messages: int | None = None,
+        timeout: float | None = 0.0,
+    ) -> int: ...
+
+    def acknowledge(self) -> None: ...
+
+    def recover(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Received:
     """A message as a session hands it out: the cursor's `Delivery` and the session it came by.
@@ -84,7 +105,7 @@ class Received:
     that comes back after a rollback, a `Session.recover` or a crash has ``redelivered`` set."""
 
     delivery: Delivery
-    session: Session = field(repr=False, compare=False)
+    session: SessionLike = field(repr=False, compare=False)
 
     @property
     def message(self) -> Message:

@@ -47,6 +47,10 @@ from .wire import to_wire
 
 log = logging.getLogger("twopc.transfer")
 
+#: first repeat of the ``cannot reach cursor`` warning, doubling up to `UNREACHABLE_WARN_CAP`
+UNREACHABLE_WARN_FIRST = 10.0
+UNREACHABLE_WARN_CAP = 300.0
+
 #: the role a log authenticates with at a cursor's listener
 TRANSFER_ROLE = "transfer"
 #: the NACK reason of a message the cursor will never accept (see `TransferReceiver`)
@@ -59,7 +63,8 @@ class LogTransfer:
     """Moves committed messages of ``mlog`` to one cursor, reached through ``connect`` (called
     again after every failure). ``streams`` selects which streams go there (default: all).
     ``resend``: the back-off of each message's timer. ``ping_interval``: a silent connection is
-    probed that often and given up after three intervals without a frame."""
+    probed that often and given up after three intervals without a frame. ``peer`` names the
+    cursor (``HOST:PORT``) in the warnings an operator reads when it cannot be reached."""
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class LogTransfer:
         batch: int = 256,
         ping_interval: float = 5.0,
         name: str = "transfer",
+        peer: str | None = None,
     ) -> None:
         self.mlog = mlog
         self._connect = connect
@@ -83,7 +89,9 @@ class LogTransfer:
         self.batch = batch
         self.ping_interval = ping_interval
         self.name = name
+        self.peer = peer or "(its address)"
         self.stats: Counter[str] = Counter()
+        self._unreachable = _Unreachable(time.monotonic)
         self._senders: dict[str, StreamSender] = {}
         self._lock = threading.Lock()  # the senders
         self._wake_r, self._wake_w = socket.socketpair()
@@ -194,7 +202,7 @@ class LogTransfer:
             conn = self._connect()
         except (OSError, FrameError) as exc:
             self.stats["connect_failures"] += 1
-            log.info("%s: cannot connect: %s", self.name, exc)
+            self._unreachable.failed(self.name, self.peer, exc)
             return False
         if conn.version >= ORIGIN_VERSION:  # our streams are ours at the cursor, not shared
             try:
@@ -202,8 +210,9 @@ class LogTransfer:
             except OSError as exc:
                 conn.close()
                 self.stats["connect_failures"] += 1
-                log.info("%s: cannot connect: %s", self.name, exc)
+                self._unreachable.failed(self.name, self.peer, exc)
                 return False
+        self._unreachable.reached(self.name, self.peer)
         self.stats["connections"] += 1
         with self._lock:
             for sender in self._senders.values():
@@ -419,3 +428,39 @@ def _to_monotonic(state: dict[str, object]) -> dict[str, object]:
     pending = state["pending"]
     assert isinstance(pending, list)
     return {**state, "pending": [[n, mid, _deadline(exp)] for n, mid, exp in pending]}
+
+
+class _Unreachable:
+    """``cannot reach cursor HOST:PORT`` at WARNING: at the first failed attempt, then again
+    after 10 s, 20 s, 40 s ... at most every 5 minutes while it lasts (the attempts themselves
+    go on at their own back-off, logged at INFO), and once more when it is reached again. An
+    operator sees it without ``-v``, and a cursor down for a day costs a few hundred lines,
+    not one per attempt."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._failures = 0
+        self._next_warning = 0.0
+        self._interval = UNREACHABLE_WARN_FIRST
+
+    def failed(self, name: str, peer: str, exc: BaseException) -> None:
+        self._failures += 1
+        now = self._clock()
+        if self._failures == 1 or now >= self._next_warning:
+            log.warning(
+                "%s: cannot reach cursor %s: %s (attempt %d; retrying)",
+                name, peer, exc, self._failures,
+            )  # fmt: skip
+            if self._failures > 1:
+                self._interval = min(self._interval * 2, UNREACHABLE_WARN_CAP)
+            self._next_warning = now + self._interval
+        else:
+            log.info("%s: cannot reach cursor %s: %s", name, peer, exc)
+
+    def reached(self, name: str, peer: str) -> None:
+        if self._failures:
+            log.warning(
+                "%s: reached cursor %s after %d failed attempts", name, peer, self._failures
+            )
+        self._failures = 0
+        self._interval = UNREACHABLE_WARN_FIRST

@@ -26,9 +26,7 @@ from resource_managers.sequencing import StreamState, claim
 from ._records import DLQ_SUFFIX, message_obj, to_message
 
 NACK_HEADER = "twopc-nack"
-REJECTED = (
-    "rejected: a transactional message arrived at non-transactional queue {queue!r} (seed 004)"
-)
+REJECTED = "rejected: a transactional message arrived at non-transactional queue {queue!r}"
 
 
 def is_topic(destination: str) -> bool:

@@ -38,21 +38,25 @@ just ``COMMIT`` with its tag checked.
 ``last_resource=True`` makes the database a logging last resource (`coordinator.last_resource`):
 its branch never prepares; ``commit_with_decision`` sends the decision row, the deletion of rows
 whose transactions ended, and ``COMMIT`` in one round trip (`_decision_table` has the SQL).
+
+Why one module of ~800 lines: it is one class, the XA verbs of a branch over shared state (the
+open branches, the connections held for phase two, the queue of ended decision rows), and each
+verb's failure handling reads that state; what stands apart lives apart: the drivers
+(`_driver`, `_psycopg2`, `_psycopg3`), the branch and its cursors (`_branch`), the resource's
+own statements (`_pooled`), what it learns from the server (`_server`), the session hook
+(`_sessions`), the decision table's SQL (`_decision_table`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, TypeVar
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypedDict, TypeVar, overload
 
-from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -72,12 +76,19 @@ from coordinator.decision_log import Decision
 from coordinator.errors import FencedError
 from coordinator.xid import branches_of
 
-from . import _driver, _errors
+from . import _drivers, _errors
 from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
 from ._decision_table import DecisionTable
+from ._pooled import Pooled
+from ._server import ServerFacts, Tables, look_up
+from ._sessions import BRANCH, default_session, watch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("twopc.postgres")
 T = TypeVar("T")
+H = TypeVar("H")  # what ``tx.join`` returns: `Session`, Core `Connection`, or the driver's
 Handle = Literal["session", "connection", "dbapi"]
 
 _ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
@@ -98,16 +109,23 @@ class NotPreparable(ProgrammingError):
     code = "postgres-not-preparable"
 
 
-@dataclass(frozen=True)
-class _ServerFacts:
-    database: str
-    role: str
-    max_prepared: int
-    marker_table: str | None  # schema-qualified and quoted, or None without markers
-    decisions: DecisionTable | None  # a last resource's decision table
+class _Options(TypedDict, total=False):
+    """`PostgresResource`'s keyword options besides ``handle`` (one list for its overloads)."""
+
+    sort_key: str | None
+    session_factory: Callable[[Connection], Session] | None
+    isolation_level: str | None
+    hold_prepared: float
+    outcome_markers: bool
+    marker_table: str
+    marker_retention: float
+    busy_retries: int
+    busy_delay: float
+    last_resource: bool
+    decision_table: str
 
 
-class PostgresResource:
+class PostgresResource(Generic[H]):
     """A PostgreSQL database (SQLAlchemy engine on psycopg2 or psycopg 3) as an XA-style resource
     manager.
 
@@ -124,6 +142,36 @@ class PostgresResource:
     docstring); its decision rows live in ``decision_table``, abort fences are kept for
     ``marker_retention``. Such a database needs no ``max_prepared_transactions``.
     """
+
+    @overload
+    def __init__(
+        self: PostgresResource[Session],
+        engine: Engine,
+        name: str | None = None,
+        *,
+        handle: Literal["session"] = "session",
+        **options: Unpack[_Options],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: PostgresResource[Connection],
+        engine: Engine,
+        name: str | None = None,
+        *,
+        handle: Literal["connection"],
+        **options: Unpack[_Options],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: PostgresResource[Any],
+        engine: Engine,
+        name: str | None = None,
+        *,
+        handle: Handle,
+        **options: Unpack[_Options],
+    ) -> None: ...
 
     def __init__(
         self,
@@ -143,7 +191,7 @@ class PostgresResource:
         last_resource: bool = False,
         decision_table: str = "twopc_decision_row",
     ) -> None:
-        self._driver = _driver.for_engine(engine)
+        self._driver = _drivers.for_engine(engine)
         if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
             raise ConfigurationError(f"isolation_level must be one of {_ISOLATION_LEVELS}")
         if handle not in _HANDLES:
@@ -157,8 +205,9 @@ class PostgresResource:
         self._name = name or _default_name(engine)
         self._sort_key = sort_key or self._name
         self._handle: Handle = handle
-        self._session_factory = session_factory or _default_session
+        self._session_factory = session_factory or default_session
         self._begin = "BEGIN"
+        self._isolation = (isolation_level or "READ COMMITTED").upper()
         if isolation_level is not None:
             self._begin += f" ISOLATION LEVEL {isolation_level.upper()}"
         self._hold = hold_prepared
@@ -172,7 +221,8 @@ class PostgresResource:
         #: prepared branches keeping their connection for phase two, oldest first
         self._held: dict[Xid, Branch] = {}
         self._wanted = threading.local()  # the handle `connection`/`dbapi_connection` asked for
-        self._facts: _ServerFacts | None = None
+        self._facts: ServerFacts | None = None
+        self._pool = Pooled(engine, self._driver, self._name)
         self._last_purge = 0.0
         self._last = last_resource
         self._decision_name = decision_table
@@ -190,12 +240,17 @@ class PostgresResource:
     def last_resource(self) -> bool:
         return self._last
 
+    @property
+    def reads_committed(self) -> bool:
+        """Its branches run READ COMMITTED, unless the server's default says otherwise."""
+        return self._isolation == "READ COMMITTED"
+
     def __repr__(self) -> str:
         return f"PostgresResource({self._name!r}, {self.engine.url.render_as_string()!r})"
 
     # -- phase zero: the branch's work -----------------------------------------------------------
 
-    def start(self, xid: Xid) -> Any:
+    def start(self, xid: Xid) -> H:
         facts = self._server_facts()
         if facts.max_prepared <= 0 and not self._last:
             raise ConfigurationError(
@@ -213,7 +268,7 @@ class PostgresResource:
             raise
         with self._lock:
             self._branches[xid] = branch
-        return handle
+        return handle  # type: ignore[no-any-return]  # the kind ``handle=`` named, i.e. H
 
     def connection(self, tx: Transaction) -> Connection:
         """Join ``tx`` (if not joined yet) and return the branch's SQLAlchemy Core `Connection`:
@@ -267,8 +322,8 @@ class PostgresResource:
         if kind == "connection":
             return connection
         session = branch.session = self._session_factory(connection)
-        _watch(type(session))
-        session.info[_BRANCH] = branch
+        watch(type(session))
+        session.info[BRANCH] = branch
         return session
 
     def _core(self, branch: Branch) -> Connection:
@@ -462,12 +517,12 @@ class PostgresResource:
                 return
 
         def finish() -> None:
-            with self._pooled() as connection:
+            with self._pool.connection() as connection:
                 self._driver.run(connection, f"{verb} %s", [gid])
 
         for attempt in range(self._busy_retries + 1):
             try:
-                self._once_more(finish)
+                self._pool.once_more(finish)
                 return
             except Exception as exc:
                 if _errors.is_unknown_gid(exc):
@@ -484,40 +539,64 @@ class PostgresResource:
 
     def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
         """The branch's data and the decision row in one server commit, one round trip."""
-        branch = self._branch(xid)
         table = self._decision_table()
-        self._flush_for_commit(branch)
         with self._lock:
             ended, self._ended = self._ended, []
         node = xid.node_id or ""
         sql, params = table.commit(decision.gtrid, node, decision.branches, ended)
-        if branch.begin is not None:  # no statement ran yet: the decision row opens the branch
+        try:
+            self.commit_carrying(xid, sql, params, fence=_errors.is_unique_violation)
+        except BaseException:
+            self._requeue(ended)
+            raise
+
+    def commit_carrying(
+        self,
+        xid: Xid,
+        sql: str,
+        params: list[Any],
+        *,
+        fence: Callable[[BaseException], bool],
+        fenced: str = "recovery presumed {gtrid} aborted before its last resource could commit",
+    ) -> None:
+        """Send ``sql`` (a decision record's statements, ending in ``COMMIT``) inside the branch's
+        own transaction: the branch's data and the record in one server commit, one round trip.
+
+        Answers as `LastResource.commit_with_decision`: an error that ``fence`` recognises (the
+        record's own guard refused it) is `FencedError`, with ``fenced`` as its reason.
+        """
+        branch = self._branch(xid)
+        self._flush_for_commit(branch)
+        if branch.begin is not None:  # no statement ran yet: the record opens the branch
             sql, branch.begin = f"{branch.begin}; {sql}", None
         try:
             tag = self._driver.run(branch.dbapi, sql, params)
         except Exception as exc:
-            self._requeue(ended)
-            self._lost_last_commit(branch, exc)
+            self._lost_last_commit(branch, exc, fence, fenced)
         self._discard(branch, broken=False)
         if tag != "COMMIT":  # the transaction had failed: the server rolled it back
-            self._requeue(ended)
             raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
 
-    def _lost_last_commit(self, branch: Branch, exc: Exception) -> NoReturn:
-        """Say what a failed commit-with-decision leaves: unknown, fenced, or rolled back."""
+    def _lost_last_commit(
+        self,
+        branch: Branch,
+        exc: Exception,
+        fence: Callable[[BaseException], bool],
+        fenced: str,
+    ) -> NoReturn:
+        """Say what a failed commit with a decision leaves: unknown, fenced, or rolled back."""
+        gtrid = branch.xid.gtrid
         if _errors.is_unreachable(exc):
             self._discard(branch, broken=True)
             raise OutcomeUnknownError(
-                f"{self._name}: connection lost while committing the last resource with its "
-                f"decision; recovery reads the decision table: {_errors.describe(exc)}",
-                gtrid=branch.xid.gtrid,
+                f"{self._name}: connection lost while committing with the decision of {gtrid}; "
+                f"recovery reads the decision: {_errors.describe(exc)}",
+                gtrid=gtrid,
             ) from exc
         self._end_local(branch)
-        if _errors.is_unique_violation(exc):  # recovery's abort row holds the gtrid
+        if fence(exc):
             raise FencedError(
-                f"{self._name}: recovery presumed {branch.xid.gtrid} aborted before its last "
-                "resource could commit; it rolls back",
-                gtrid=branch.xid.gtrid,
+                f"{self._name}: {fenced.format(gtrid=gtrid)}; it rolls back", gtrid=gtrid
             ) from exc
         raise BranchFailed(
             f"{self._name}: commit with the decision failed: {_errors.describe(exc)}"
@@ -528,11 +607,11 @@ class PostgresResource:
         wanted = sorted(gtrids)
         if not wanted:
             return set()
-        rows = self._pooled_query(*self._decision_table().fence_and_read(wanted))
+        rows = self._pool.query(*self._decision_table().fence_and_read(wanted))
         return {str(gtrid) for (gtrid,) in rows}
 
     def committed_decisions(self, node_id: str) -> dict[str, tuple[str, ...]]:
-        rows = self._pooled_query(*self._decision_table().committed(node_id))
+        rows = self._pool.query(*self._decision_table().committed(node_id))
         return {str(gtrid): tuple(branches) for gtrid, branches in rows}
 
     def end_decision(self, gtrid: str) -> None:
@@ -546,7 +625,7 @@ class PostgresResource:
         if not gone:
             return
         try:
-            self._pooled_exec(*self._decision_table().drop(gone))
+            self._pool.run(*self._decision_table().drop(gone))
         except Exception:
             self._requeue(ended)
             raise
@@ -568,7 +647,7 @@ class PostgresResource:
         age."""
         if self._held:
             self._release_expired()
-        rows = self._pooled_query(
+        rows = self._pool.query(
             "SELECT gid FROM pg_prepared_xacts "
             "WHERE database = current_database() AND owner = current_user"
         )
@@ -579,14 +658,14 @@ class PostgresResource:
     def forget(self, xid: Xid) -> None:
         facts = self._server_facts()
         if facts.marker_table is not None:
-            self._pooled_exec(f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()])
+            self._pool.run(f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()])
 
     def prepared_stats(self) -> tuple[int, float]:
         """(count, age in seconds of the oldest) of this database's prepared transactions.
 
         Every prepared transaction holds its locks and the VACUUM horizon, ours or not.
         """
-        rows = self._pooled_query(
+        rows = self._pool.query(
             "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0) "
             "FROM pg_prepared_xacts WHERE database = current_database()"
         )
@@ -612,7 +691,7 @@ class PostgresResource:
         if facts.marker_table is None:
             return False
         try:
-            rows = self._pooled_query(
+            rows = self._pool.query(
                 f"SELECT 1 FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()]
             )
         except Exception as exc:
@@ -629,68 +708,26 @@ class PostgresResource:
             return
         self._last_purge = now
         if facts.marker_table is not None:
-            self._pooled_exec(
+            self._pool.run(
                 f"DELETE FROM {facts.marker_table} "
                 "WHERE committed_at < now() - make_interval(secs => %s)",
                 [self._marker_retention],
             )
         if facts.decisions is not None:
-            self._pooled_exec(*facts.decisions.purge_fences(self._marker_retention))
+            self._pool.run(*facts.decisions.purge_fences(self._marker_retention))
 
     # -- plumbing ----------------------------------------------------------------------------------
 
-    def _server_facts(self) -> _ServerFacts:
-        """Checked once: the setting that makes 2PC possible, and the marker table."""
+    def _server_facts(self) -> ServerFacts:
+        """Looked up once (`_server`)."""
         facts = self._facts
-        if facts is not None:
-            return facts
-
-        def look() -> _ServerFacts:
-            with self._pooled() as connection:
-                (database, role, max_prepared, schema), *_ = self._driver.query(
-                    connection,
-                    "SELECT current_database(), current_user, "
-                    "current_setting('max_prepared_transactions')::int, current_schema()",
-                )
-                table, decisions = None, None
-                if (self._markers or self._last) and schema is None:
-                    raise ConfigurationError(
-                        f"{self._name}: no schema of the search_path exists, so there is "
-                        "nowhere to keep twopc's tables; create one or set search_path"
-                    )
-                if self._markers:
-                    table = f'"{schema}"."{self._marker_name}"'
-                    self._ensure_table(connection, table, _marker_ddl(table), "outcome marker")
-                if self._last:
-                    decisions = DecisionTable(f'"{schema}"."{self._decision_name}"')
-                    self._ensure_table(connection, decisions.table, decisions.ddl(), "decision")
-            return _ServerFacts(str(database), str(role), int(max_prepared), table, decisions)
-
-        facts = self._facts = self._once_more(look)
+        if facts is None:
+            tables = Tables(
+                self._marker_name if self._markers else None,
+                self._decision_name if self._last else None,
+            )
+            facts = self._facts = look_up(self._pool, self._driver, self._name, tables)
         return facts
-
-    def _ensure_table(self, connection: Any, table: str, ddl: str, what: str) -> None:
-        """Create one of our tables if it is missing, or say exactly what an admin must run.
-
-        Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
-        schema even when the table is there, and PostgreSQL 15 took that from ordinary roles.
-        """
-        if self._driver.query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
-            return
-        for attempt in range(3):
-            try:
-                self._driver.run(connection, ddl)
-                return
-            except Exception as exc:
-                if _errors.is_permission_denied(exc):
-                    raise ConfigurationError(
-                        f"{self._name}: the role may not create the {what} table "
-                        f"({_errors.describe(exc)}); have an administrator run: {ddl}; "
-                        f"GRANT SELECT, INSERT, DELETE ON {table} TO <role>"
-                    ) from exc
-                # two processes creating it at once: one wins, the other sees a unique violation
-                if attempt == 2 or _errors.is_unreachable(exc):
-                    raise
 
     def _branch(self, xid: Xid) -> Branch:
         with self._lock:
@@ -725,7 +762,7 @@ class PostgresResource:
         """Close the branch's handles and give its connection back to the pool (or drop it)."""
         try:
             if branch.session is not None:
-                branch.session.info.pop(_BRANCH, None)
+                branch.session.info.pop(BRANCH, None)
                 branch.session.close()
             self._driver.detach(branch.dbapi)
             if broken:
@@ -738,112 +775,6 @@ class PostgresResource:
                 branch.pooled.close()
         except Exception as exc:
             log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
-
-    @contextlib.contextmanager
-    def _pooled(self) -> Iterator[Any]:
-        """A pooled DBAPI connection in autocommit mode; one that lost its server is not given
-        back. Raw, not a SQLAlchemy `Connection`: recovery needs one statement, not a facade."""
-        try:
-            raw = self.engine.raw_connection()
-            self._driver.autocommit(raw.dbapi_connection, True)
-        except Exception as exc:
-            raise TransientError(
-                f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
-            ) from exc
-        dbapi = raw.dbapi_connection
-        try:
-            yield dbapi
-            self._driver.autocommit(dbapi, False)
-        except BaseException as exc:
-            if _errors.is_unreachable(exc):
-                raw.invalidate()
-                self._forget_pool()
-                raise _ConnectionLost(
-                    f"{self._name}: lost the connection to PostgreSQL: {_errors.describe(exc)}"
-                ) from exc
-            with contextlib.suppress(Exception):
-                self._driver.autocommit(dbapi, False)
-            raise
-        finally:
-            raw.close()
-
-    def _pooled_query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
-        def work() -> list[tuple[Any, ...]]:
-            with self._pooled() as connection:
-                return self._driver.query(connection, sql, params)
-
-        return self._once_more(work)
-
-    def _pooled_exec(self, sql: str, params: list[Any] | None = None) -> str:
-        def work() -> str:
-            with self._pooled() as connection:
-                return self._driver.run(connection, sql, params)
-
-        return self._once_more(work)
-
-    def _forget_pool(self) -> None:
-        """One connection found the server gone: the rest of the pool is as stale (a restart ends
-        every session), so drop them all rather than fail once per pooled connection."""
-        self.engine.dispose(close=False)
-
-    def _once_more(self, work: Callable[[], T]) -> T:
-        """Run ``work``; if its pooled connection was dead, once more on a fresh one."""
-        try:
-            return work()
-        except _ConnectionLost:
-            return work()
-
-
-# -- the session hook ----------------------------------------------------------------------------
-#
-# Registered once per Session class, never per engine or per session: an engine-level listener
-# slows every statement of every connection of the engine (the application's own too), and a
-# per-session one slows that session's every call. A branch finds itself in ``session.info``;
-# statements are seen by the branch's cursors (`_branch`), not by session hooks.
-
-_BRANCH = "twopc.postgres.branch"
-_watched: set[type[Session]] = set()
-_watched_lock = threading.Lock()
-
-
-class TwopcSession(Session):
-    """The session a branch hands out by default: a `Session` whose class carries the hook."""
-
-
-def _default_session(connection: Connection) -> Session:
-    return TwopcSession(bind=connection)
-
-
-def _watch(cls: type[Session]) -> None:
-    if cls in _watched:
-        return
-    with _watched_lock:
-        if cls not in _watched:
-            event.listen(cls, "after_soft_rollback", _on_soft_rollback)
-            _watched.add(cls)
-
-
-def _on_soft_rollback(session: Session, previous: Any) -> None:
-    # session.rollback() cannot undo our BEGIN's work (the connection is in autocommit mode as
-    # far as SQLAlchemy knows), so a rollback of the session dooms the branch instead. Rolling
-    # back to a savepoint (a nested transaction) undoes its work on the server.
-    branch: Branch | None = session.info.get(_BRANCH)
-    if branch is None or getattr(previous, "nested", False) or branch.failure is not None:
-        return
-    branch.failure = "the session was rolled back"
-    if branch.last_error:
-        branch.failure += f" after: {branch.last_error}"
-
-
-def _marker_ddl(table: str) -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
-        "committed_at timestamptz NOT NULL DEFAULT now())"
-    )
-
-
-class _ConnectionLost(TransientError):
-    """A pooled connection's server went away (crashed, restarted): retried once, then raised."""
 
 
 class _UnknownGid(Exception):

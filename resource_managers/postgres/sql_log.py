@@ -13,29 +13,34 @@ current and unexpired, so a takeover and a write serialise on that row: once ano
 node, the old owner can write nothing, and whatever it wrote before, the new owner reads.
 
 COMMITs are group-committed (one statement and one commit per batch of concurrent callers); ENDs
-are lazy and ride on the next batch, the renewal thread's tick or `SqlDecisionLog.close`.
+are lazy and ride on the next batch, the renewal thread's tick or `SqlDecisionLog.close`. When a
+participant shares the log's database, its own commit carries the COMMIT row instead
+(`coordinator.last_resource.CarryingLog`).
+
+The SQL lives in `_log_sql`, the batching in `_log_batches`; what stays here (~570 lines) is one
+class whose writes, lease and fencing share one state (the epoch, the fenced flag, the queued
+ENDs): every write's failure path reads it, so splitting the lease from the writes would pass that
+state back and forth.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import Any, NoReturn
 
-from sqlalchemy import BigInteger, Column, DateTime, Double, MetaData, Table, Text, select, text
+from sqlalchemy import select, text
 from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql import Select, TextClause
@@ -43,142 +48,28 @@ from sqlalchemy.sql import Select, TextClause
 from coordinator.decision_log import Decision, HeuristicRecord, LogStats
 from coordinator.decision_log._memory import Clock, End, admit
 from coordinator.errors import (
-    ConfigurationError,
     FencedError,
     LogError,
     LogLockedError,
     LogWriteError,
-    TransactionError,
+    OutcomeUnknownError,
 )
+from coordinator.xid import Xid
 
-from ._errors import describe, unwrap
+from ._errors import describe, sqlstate, unwrap
+from ._log_batches import GroupCommit
+from ._log_sql import (
+    DIVISION_BY_ZERO,
+    DUPLICATE,
+    LOCK_NOT_AVAILABLE,
+    UNDEFINED_TABLE,
+    Sql,
+    check_config,
+    tables,
+)
+from .resource import PostgresResource
 
 log = logging.getLogger("twopc.decision_log.sql")
-
-# PostgreSQL truncates identifiers past 63 bytes; the longest table suffix is "heuristic".
-_PREFIX = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]{0,53})?\Z")
-_SCHEMA = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
-# Two processes creating the tables at once: the loser trips over a catalog unique index.
-_DUPLICATE = {"42P07", "42710", "23505"}
-_LOCK_NOT_AVAILABLE = "55P03"
-
-
-def _tables(prefix: str, schema: str | None) -> tuple[MetaData, Table, Table, Table]:
-    md = MetaData(schema=schema)
-    lease = Table(
-        f"{prefix}lease",
-        md,
-        Column("node_id", Text, primary_key=True),
-        Column("epoch", BigInteger, nullable=False),
-        Column("owner", Text, nullable=False),
-        Column("expires_at", DateTime(timezone=True), nullable=False),
-        Column("acquired_at", DateTime(timezone=True)),
-    )
-    decision = Table(
-        f"{prefix}decision",
-        md,
-        Column("node_id", Text, primary_key=True),
-        Column("gtrid", Text, primary_key=True),
-        Column("branches", Text, nullable=False),  # a JSON array of resource names, commit order
-        Column("deadline", Double),
-        Column("written_at", Double, nullable=False),
-        Column("epoch", BigInteger, nullable=False),  # the lease epoch that wrote it
-    )
-    heuristic = Table(
-        f"{prefix}heuristic",
-        md,
-        Column("node_id", Text, primary_key=True),
-        Column("gtrid", Text, primary_key=True),
-        Column("branch", Text, primary_key=True),
-        Column("outcome", Text, nullable=False),
-        Column("detail", Text, nullable=False),
-        Column("recorded_at", Double, nullable=False),
-    )
-    return md, lease, decision, heuristic
-
-
-# Every write starts with this CTE and writes only FROM (or if EXISTS) it. FOR SHARE is what makes
-# the check hold until our COMMIT: under READ COMMITTED a plain read of the lease would let a
-# takeover commit its new epoch while our insert is still uncommitted; the new owner would then
-# read the decisions without ours, presume abort, and our COMMIT would land afterwards. With the
-# share lock the takeover's UPDATE waits for our commit (and then sees our rows), and a write that
-# arrives after a takeover waits for it and re-checks the new row version, finding no lease.
-_HELD = """held AS MATERIALIZED (
-    SELECT epoch FROM {lease}
-    WHERE node_id = :node AND epoch = :epoch AND owner = :owner
-      AND expires_at > clock_timestamp()
-    FOR SHARE)"""
-
-_BATCH = """WITH {held}, ins AS (
-    INSERT INTO {decision} (node_id, gtrid, branches, deadline, written_at, epoch)
-    SELECT :node, d.gtrid, d.branches, d.deadline, d.written_at, held.epoch
-    FROM held, unnest(CAST(:gtrids AS text[]), CAST(:branches AS text[]),
-                      CAST(:deadlines AS double precision[]),
-                      CAST(:written AS double precision[]))
-         AS d(gtrid, branches, deadline, written_at)
-    ON CONFLICT (node_id, gtrid) DO NOTHING
-    RETURNING 1
-), del AS (
-    DELETE FROM {decision}
-    WHERE node_id = :node AND gtrid = ANY(CAST(:ended AS text[])) AND EXISTS (SELECT 1 FROM held)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM ins), (SELECT count(*) FROM del)"""
-
-_HEURISTIC = """WITH {held}, ins AS (
-    INSERT INTO {heuristic} (node_id, gtrid, branch, outcome, detail, recorded_at)
-    SELECT :node, :gtrid, :branch, :outcome, :detail, CAST(:recorded_at AS double precision)
-    FROM held
-    ON CONFLICT (node_id, gtrid, branch) DO UPDATE
-    SET outcome = excluded.outcome, detail = excluded.detail, recorded_at = excluded.recorded_at
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM ins)"""
-
-_FORGET = """WITH {held}, del AS (
-    DELETE FROM {heuristic}
-    WHERE node_id = :node AND gtrid = :gtrid
-      AND (CAST(:branch AS text) IS NULL OR branch = CAST(:branch AS text))
-      AND EXISTS (SELECT 1 FROM held)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM held), (SELECT count(*) FROM del)"""
-
-_TTL = "clock_timestamp() + make_interval(secs => CAST(:ttl AS double precision))"
-_OURS = "node_id = :node AND epoch = :epoch AND owner = :owner"
-_ACQUIRE = f"""INSERT INTO {{lease}} AS cur (node_id, epoch, owner, expires_at, acquired_at)
-VALUES (:node, 1, :owner, {_TTL}, clock_timestamp())
-ON CONFLICT (node_id) DO UPDATE
-SET epoch = cur.epoch + 1, owner = excluded.owner, expires_at = excluded.expires_at,
-    acquired_at = excluded.acquired_at
-WHERE cur.expires_at < clock_timestamp()
-RETURNING epoch"""
-_HOLDER = """SELECT owner, epoch, expires_at,
-       EXTRACT(EPOCH FROM expires_at - clock_timestamp()) AS remaining
-FROM {lease} WHERE node_id = :node"""
-_RENEW = f"UPDATE {{lease}} SET expires_at = {_TTL} WHERE {_OURS} RETURNING epoch"
-_RELEASE = f"UPDATE {{lease}} SET expires_at = clock_timestamp() WHERE {_OURS}"
-
-
-@dataclass(frozen=True)
-class _Sql:
-    acquire: TextClause
-    holder: TextClause
-    renew: TextClause
-    release: TextClause
-    batch: TextClause
-    heuristic: TextClause
-    forget: TextClause
-
-    @classmethod
-    def build(cls, engine: Engine, lease: Table, decision: Table, heuristic: Table) -> _Sql:
-        """The statements, with table names quoted by the dialect; data only ever binds."""
-        quote = engine.dialect.identifier_preparer.format_table
-        names = {"lease": quote(lease), "decision": quote(decision), "heuristic": quote(heuristic)}
-        names["held"] = _HELD.format(**names)
-        sql = {"acquire": _ACQUIRE, "holder": _HOLDER, "renew": _RENEW, "release": _RELEASE}
-        sql |= {"batch": _BATCH, "heuristic": _HEURISTIC, "forget": _FORGET}
-        return cls(**{key: text(statement.format(**names)) for key, statement in sql.items()})
 
 
 @dataclass(frozen=True)
@@ -187,104 +78,6 @@ class _Holder:
     epoch: int
     expires_at: datetime
     remaining: float  # seconds to expiry by the server's clock; negative once expired
-
-
-class _Ticket:
-    __slots__ = ("done", "error", "forced", "record")
-
-    def __init__(self, record: Decision | End | None, forced: bool) -> None:
-        self.record = record
-        self.forced = forced
-        self.done = False
-        self.error: TransactionError | None = None
-
-
-class _GroupCommit:
-    """Leader/follower batching of records into one ``flush(records)`` call.
-
-    `coordinator.journal`'s group commit carries bytes and turns every failure into
-    `LogWriteError`; a fenced batch must raise `FencedError`, hence this small twin. A forced
-    record queues; if no batch is being written, its thread leads: it takes the queue, flushes it,
-    and settles every record in it. Records arriving meanwhile form the next batch. Lazy records
-    queue and return at once. ``grouped=False`` gives each forced record a batch of its own.
-    """
-
-    def __init__(self, flush: Callable[[list[Decision | End]], None], *, grouped: bool) -> None:
-        self._flush = flush
-        self._grouped = grouped
-        self._turn = threading.Condition()
-        self._queue: list[_Ticket] = []
-        self._leading = False
-        self._closed = False
-        self.forced = 0
-        self.lazy = 0
-
-    def submit(self, record: Decision | End, *, force: bool) -> None:
-        """Queue a record; if forced, return once its batch committed (or raise its error)."""
-        ticket = _Ticket(record, force)
-        with self._turn:
-            if self._closed:
-                raise LogWriteError("decision log is closed; nothing was written", durable=False)
-            self._queue.append(ticket)
-            self.forced += force
-            self.lazy += not force
-        if force:
-            self._drive(ticket)
-
-    def sync(self) -> None:
-        """Write everything queued so far, lazy records included."""
-        ticket = _Ticket(None, True)
-        with self._turn:
-            self._queue.append(ticket)
-        self._drive(ticket)
-
-    def close(self) -> None:
-        """Refuse new records, then write the queue."""
-        with self._turn:
-            self._closed = True
-        self.sync()
-
-    def _drive(self, ticket: _Ticket) -> None:
-        while True:
-            with self._turn:
-                while self._leading and not ticket.done:
-                    self._turn.wait()
-                if ticket.done:
-                    break
-                self._leading = True
-                batch = self._take()
-            self._run(batch)
-        if ticket.error is not None:
-            raise ticket.error
-
-    def _take(self) -> list[_Ticket]:
-        cut = len(self._queue)
-        if not self._grouped:
-            cut = next((i + 1 for i, t in enumerate(self._queue) if t.forced), cut)
-        batch, self._queue = self._queue[:cut], self._queue[cut:]
-        return batch
-
-    def _run(self, batch: list[_Ticket]) -> None:
-        """Flush one batch and settle each of its records, whatever happens."""
-        error: TransactionError | None = None
-        try:
-            records = [t.record for t in batch if t.record is not None]
-            if records:
-                self._flush(records)
-        except (FencedError, LogWriteError) as exc:
-            error = exc
-        except BaseException as exc:
-            error = LogWriteError(f"unexpected failure writing decisions: {exc!r}", durable=None)
-            raise
-        finally:
-            with self._turn:
-                for t in batch:
-                    t.done = True
-                    if error is not None:  # a copy each: one exception raised in many threads
-                        t.error = copy.copy(error)  # would share one traceback
-                        t.error.__cause__ = error
-                self._leading = False
-                self._turn.notify_all()
 
 
 class SqlDecisionLog:
@@ -315,7 +108,7 @@ class SqlDecisionLog:
         read_only: bool = False,
     ) -> None:
         renew = lease_seconds / 3 if renew_interval is None else renew_interval
-        _check_config(node_id, table_prefix, schema, lease_seconds, renew)
+        check_config(node_id, table_prefix, schema, lease_seconds, renew)
         self.node_id = node_id
         # READ COMMITTED whatever the caller's engine says: the FOR SHARE reasoning assumes it.
         self._engine = engine.execution_options(isolation_level="READ COMMITTED")
@@ -329,12 +122,14 @@ class SqlDecisionLog:
         self._ends: Counter[str] = Counter()  # queued, not yet written: hidden from pending()
         self._counts = Counter[str]()
         self._fenced: str | None = None
+        #: a carried commit's answer was lost: fence before the next read of the decisions
+        self._fence_due = False
         self._closed = False
         self._valid_until = 0.0
-        self._metadata, lease, decision, heuristic = _tables(table_prefix, schema)
+        self._metadata, lease, decision, heuristic = tables(table_prefix, schema)
         self._decision, self._heuristic = decision, heuristic
-        self._sql = _Sql.build(engine, lease, decision, heuristic)
-        self._batcher = _GroupCommit(self._flush, grouped=group_commit)
+        self._sql = Sql.build(engine, lease, decision, heuristic)
+        self._batcher = GroupCommit(self._flush, grouped=group_commit)
         self._stop = threading.Event()
         self._renewer = threading.Thread(
             target=self._renew_loop, name=f"twopc-lease-{node_id}", daemon=True
@@ -380,8 +175,87 @@ class SqlDecisionLog:
         self._write(self._sql.forget, {"gtrid": gtrid, "branch": branch}, f"FORGET of {gtrid}")
         self._count("forced")
 
+    # -- carried by a participant's commit (coordinator.last_resource.CarryingLog) -------------
+
+    def carried_by(self, resource: object) -> bool:
+        """A `PostgresResource` in this log's database (not a last resource of its own, not on a
+        standby, READ COMMITTED) can carry our COMMIT records in its one-phase commit."""
+        if self._read_only or not isinstance(resource, PostgresResource):
+            return False
+        if resource.last_resource or not resource.reads_committed:
+            return False
+        try:
+            rows = resource._pool.query(  # same package: the resource's pool, its driver
+                self._sql.carrier, [self.node_id, self._epoch, self._owner]
+            )
+        except Exception as exc:
+            if sqlstate(exc) == UNDEFINED_TABLE:  # another database: our tables are not there
+                return False
+            log.warning(
+                "%s: cannot tell whether it shares the decision log's database, so its branches "
+                "prepare as usual: %s",
+                resource.name,
+                describe(exc),
+            )
+            return False
+        carries = bool(rows and rows[0][0])
+        if carries:
+            log.info("%s shares the decision log's database: it carries the decisions", resource)
+        return carries
+
+    def commit_carried(self, resource: object, xid: Xid, decision: Decision) -> None:
+        """Insert ``decision`` (lease-fenced) in ``resource``'s branch and commit it, one round
+        trip. A lost answer leaves the next `pending` to fence first: our lease row is written,
+        which waits for every transaction holding it FOR SHARE, so a commit still running on
+        the server has landed (its row visible) or never will before the read."""
+        if not isinstance(resource, PostgresResource):
+            raise TypeError(f"{resource!r} cannot carry decisions of {self._where}")
+        self._check_writable()
+        params = [self.node_id, self._epoch, self._owner]
+        params += [self.node_id, decision.gtrid, json.dumps(list(decision.branches))]
+        params += [decision.deadline, decision.written_at]
+        try:
+            resource.commit_carrying(
+                xid,
+                self._sql.carry,
+                params,
+                fence=lambda exc: sqlstate(exc) == DIVISION_BY_ZERO,
+                fenced=f"the decision log's lease of node {self.node_id!r} is no longer ours, "
+                "so {gtrid} may not commit",
+            )
+        except OutcomeUnknownError:
+            with self._lock:
+                self._fence_due = True
+            raise
+        self._count("carried")
+
+    def _fence_carried(self) -> None:
+        """Before reading decisions after a carried commit's lost answer: write our lease row.
+
+        The write waits for every transaction that holds the row FOR SHARE (every carried
+        commit does, from its insert to its COMMIT), so when it returns a lost commit has either
+        landed or can never land, and the read that follows is the truth."""
+        with self._lock:
+            due, self._fence_due = self._fence_due, False
+        if not due:
+            return
+        try:
+            self._renew()
+        except BaseException:
+            with self._lock:
+                self._fence_due = True
+            raise
+
     def pending(self) -> list[Decision]:
         """COMMITs of this node by any process or owner, in the order written, minus queued ENDs."""
+        if self._fence_due:
+            try:
+                self._fence_carried()
+            except SQLAlchemyError as exc:
+                raise LogError(
+                    f"cannot fence a carried commit in {self._where} before reading the "
+                    f"decisions: {describe(exc)}"
+                ) from exc
         with self._lock:  # read before the table: an END written meanwhile is gone from both
             ending = set(self._ends)
         t = self._decision
@@ -407,6 +281,7 @@ class SqlDecisionLog:
         with self._lock:
             extra = {"epoch": self._epoch, "batches": self._counts["batches"]}
             extra |= {"fenced": self._fenced is not None, "queued_ends": self._ends.total()}
+            extra["carried"] = self._counts["carried"]
             forced = self._batcher.forced + self._counts["forced"]
             return LogStats(forced, self._batcher.lazy, self._counts["commits"], 0, extra)
 
@@ -617,7 +492,7 @@ class SqlDecisionLog:
                 conn.execute(text("SELECT set_config('lock_timeout', :ms, true)"), ms)
                 row = conn.execute(self._sql.acquire, params).first()
         except DBAPIError as exc:
-            if getattr(unwrap(exc), "pgcode", None) == _LOCK_NOT_AVAILABLE:
+            if getattr(unwrap(exc), "pgcode", None) == LOCK_NOT_AVAILABLE:
                 return None
             raise self._unreachable("acquiring the lease", exc) from exc
         except SQLAlchemyError as exc:
@@ -681,7 +556,7 @@ class SqlDecisionLog:
                     self._metadata.create_all(conn, checkfirst=True)
                 return
             except DBAPIError as exc:
-                if attempt < 2 and getattr(unwrap(exc), "pgcode", None) in _DUPLICATE:
+                if attempt < 2 and getattr(unwrap(exc), "pgcode", None) in DUPLICATE:
                     continue
                 raise self._unreachable("creating the decision log tables", exc) from exc
             except SQLAlchemyError as exc:
@@ -704,22 +579,3 @@ class SqlDecisionLog:
     def _count(self, key: str) -> None:
         with self._lock:
             self._counts[key] += 1
-
-
-def _check_config(
-    node_id: str, prefix: str, schema: str | None, lease_seconds: float, renew: float
-) -> None:
-    """Names reach SQL as identifiers (quoted, but still), so they are held to a strict shape."""
-    if not node_id:
-        raise ConfigurationError("a decision log needs a non-empty node_id")
-    if not _PREFIX.match(prefix):
-        raise ConfigurationError(f"table_prefix {prefix!r}: letters, digits, _ (54 at most)")
-    if schema is not None and not _SCHEMA.match(schema):
-        raise ConfigurationError(f"schema {schema!r}: letters, digits and _ only (63 at most)")
-    if not lease_seconds > 0:
-        raise ConfigurationError(f"lease_seconds must be positive, not {lease_seconds!r}")
-    if not 0 < renew < lease_seconds:
-        raise ConfigurationError(
-            f"renew_interval {renew!r} must be positive and shorter than lease_seconds "
-            f"{lease_seconds!r}, or the lease lapses between renewals"
-        )

@@ -62,7 +62,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from redis import exceptions as rex
@@ -81,7 +81,9 @@ from coordinator import (
     Vote,
     Xid,
 )
+from coordinator.batch_commit import Answer
 from coordinator.crashpoints import crash_point
+from coordinator.resource import Resource
 from coordinator.xid import branches_of, validate_resource_name
 
 from . import _durability, _errors
@@ -108,6 +110,8 @@ MAGIC: Final = b"twopc-ws-1"
 ONE_PHASE_MARKER_TTL: Final = 600
 _HEADER_GUESS: Final = 64  # staged keys read with the header in one LRANGE
 _NAMESPACE = re.compile(r"[A-Za-z0-9._:-]{1,64}\Z")
+#: commit script replies that are a final answer; anything else is run again alone
+_FINAL: Final = frozenset((b"OK", b"STATE", b"BROKEN", b"LOST"))
 
 
 class RedisResource:
@@ -252,6 +256,40 @@ class RedisResource:
     # -- phase one ---------------------------------------------------------------------------------
 
     def prepare(self, xid: Xid) -> Vote:
+        staged = self._stage(xid)
+        if isinstance(staged, Vote):
+            return staged
+        branch, keys, args, touched = staged
+        return self._voted(branch, self._run_waiting("prepare", keys, args, branch), touched)
+
+    def send_prepare(self, xid: Xid) -> Callable[[], Vote]:
+        """``prepare(xid)`` with the script sent now and its reply read by the function returned
+        (`coordinator.early_prepare`), so the coordinator can prepare other branches meanwhile.
+
+        The script is the one ``prepare`` runs. A reply that is not final (a key locked by another
+        branch, the server's lost code, an error reply, a lost connection) makes the function run
+        the script again as ``prepare`` would (waiting for locks, reloading the code; a rerun of a
+        script that did run finds the branch prepared and votes no), so the vote is the one
+        ``prepare`` gives."""
+        staged = self._stage(xid)
+        if isinstance(staged, Vote):
+            vote = staged
+            return lambda: vote
+        branch, keys, args, touched = staged
+        read = self._scripts.send("prepare", keys, args)
+        crash_point(f"redis.{self._name}.after_prepare_send")
+
+        def finish() -> Vote:
+            reply = read()
+            if not isinstance(reply, list) or not reply or reply[0] == b"LOCKED":
+                reply = self._run_waiting("prepare", keys, args, branch)
+            return self._voted(branch, reply, touched)
+
+        return finish
+
+    def _stage(self, xid: Xid) -> Vote | tuple[RedisBranch, list[bytes], list[Any], list[bytes]]:
+        """Phase one up to the script: the branch's checks, then (branch, the prepare script's
+        KEYS and ARGV, the keys it locks); or the vote of a branch with nothing to promise."""
         branch = self._branch(xid)
         with branch.lock:
             branch.check_active()
@@ -265,14 +303,17 @@ class RedisResource:
         touched, watch_args, packed = branch.plan()
         gid = branch.gid
         keys = [self._tx(gid), self._ws(gid), self._prepared, *self._locks(touched), *touched]
-        head: list[bytes | str | int] = [gid, self.prefix, len(touched), len(branch.watches)]
+        args = [gid, self.prefix, len(touched), len(branch.watches), *watch_args, packed]
         crash_point(f"redis.{self._name}.after_stage")
-        reply = self._run_waiting("prepare", keys, [*head, *watch_args, packed], branch)
+        return branch, keys, args, touched
+
+    def _voted(self, branch: RedisBranch, reply: list[bytes], touched: list[bytes]) -> Vote:
+        """The vote the prepare script's ``reply`` gives; a refusal raises (votes no)."""
         if reply[0] != b"OK":
             self._refuse(branch, reply)
         crash_point(f"redis.{self._name}.after_prepare_marker")
         with self._lock:
-            self._staged[xid] = touched
+            self._staged[branch.xid] = touched
         self._end(branch)
         return Vote.COMMIT
 
@@ -343,17 +384,74 @@ class RedisResource:
         gid = xid.to_gid()
         if keys is None:
             keys = self._staged_keys(gid)
-        args: list[bytes | str | int] = [gid, self.prefix, self.tombstone_ttl]
         for _ in range(3):
-            meta = [self._tx(gid), self._ws(gid), self._prepared]
-            reply = self._run("commit", [*meta, *self._locks(keys), *keys], args, "commit " + gid)
-            if reply[0] == b"OK":
-                crash_point(f"redis.{self._name}.after_apply")
-                return None
+            reply = self._run("commit", *self._commit_call(gid, keys), "commit " + gid)
             if reply[0] != b"KEYS":
-                return self._commit_outcome(gid, reply)
+                return self._committed(gid, reply)
             keys = self._staged_keys(gid)
         raise TransientError(f"{self._name}: the staged keys of {gid} kept changing; will retry")
+
+    def _commit_call(self, gid: str, keys: list[bytes]) -> tuple[list[bytes], list[Any]]:
+        """The commit script's KEYS and ARGV for a branch that staged ``keys``."""
+        meta = [self._tx(gid), self._ws(gid), self._prepared]
+        return [*meta, *self._locks(keys), *keys], [gid, self.prefix, self.tombstone_ttl]
+
+    def _committed(self, gid: str, reply: list[bytes]) -> Outcome | None:
+        """What a commit script's reply (not ``KEYS``) says: None (applied now or before), or
+        the heuristic outcome it found."""
+        if reply[0] == b"OK":
+            crash_point(f"redis.{self._name}.after_apply")
+            return None
+        return self._commit_outcome(gid, reply)
+
+    @property
+    def batch_key(self) -> Any:
+        """`coordinator.batch_commit`: resources on one connection pool commit a transaction's
+        branches in one pipelined round trip. None for a cluster or an instrumented client."""
+        return self._scripts.pool
+
+    def commit_batch(self, branches: Sequence[tuple[Resource, Xid]]) -> list[Answer]:
+        """Phase two of several prepared branches, this resource's and others' on the same pool,
+        as one pipeline of commit scripts (`coordinator.batch_commit`).
+
+        Each script is the one ``commit`` runs, and each reply is judged as ``commit`` judges it.
+        A call whose answer is not final (the staged keys changed, the server lost the scripts,
+        an error reply, a connection lost before its reply) is run again alone through
+        ``commit``, whose answer (or exception: left to recovery) stands: a pipeline that fails
+        part-way ends exactly as the individual commits would have."""
+        peers = [(_peer(self, resource), xid) for resource, xid in branches]
+        plans: list[tuple[RedisResource, Xid, str, list[bytes]]] = []
+        for peer, xid in peers:
+            with peer._lock:  # a branch not prepared by this process: ``commit`` says why
+                keys = None if xid in peer._branches else peer._staged.pop(xid, None)
+            plans.append((peer, xid, "", []) if keys is None else (peer, xid, xid.to_gid(), keys))
+        sent = [(peer, gid, keys) for peer, _, gid, keys in plans if gid]
+        calls = [("commit", *peer._commit_call(gid, keys)) for peer, gid, keys in sent]
+
+        def after_send() -> None:
+            for peer, _, _ in sent:
+                crash_point(f"redis.{peer.name}.after_batch_send")
+
+        try:
+            replies = iter(self._scripts.pipelined(calls, after_send) if calls else [])
+        except Exception as exc:  # the library could not be loaded: each one alone
+            replies = iter([exc] * len(calls))
+        return [self._batch_answer(peer, xid, gid, keys, replies) for peer, xid, gid, keys in plans]
+
+    @staticmethod
+    def _batch_answer(
+        peer: RedisResource, xid: Xid, gid: str, keys: list[bytes], replies: Iterator[Any]
+    ) -> Answer:
+        reply = next(replies) if gid else None
+        if isinstance(reply, list) and reply and reply[0] in _FINAL:
+            return peer._committed(gid, reply)
+        if gid:  # run it alone, from the keys it staged
+            with peer._lock:
+                peer._staged[xid] = keys
+        try:
+            return peer.commit(xid)
+        except Exception as exc:
+            return exc
 
     def _commit_outcome(self, gid: str, reply: list[bytes]) -> Outcome | None:
         status, details = reply[0], reply[1:]
@@ -575,6 +673,13 @@ class RedisResource:
             found, why = None, str(exc)
         _durability.judge(self._name, self._where(), self.durability, found, why)
         self._durability_checked = True
+
+
+def _peer(leader: RedisResource, resource: Resource) -> RedisResource:
+    """A resource of ``leader``'s batch: one on the same connection pool."""
+    if not isinstance(resource, RedisResource) or resource.batch_key is not leader.batch_key:
+        raise ProgrammingError(f"{leader.name}: {resource.name!r} is not on its connection pool")
+    return resource
 
 
 def _fact(query: Query, value: Any) -> Any:

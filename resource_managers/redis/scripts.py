@@ -25,6 +25,7 @@ arbitrary bytes.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from typing import Any, Final
@@ -137,6 +138,82 @@ class Scripts:
             script.sha = self._client.script_load(script.script)
             return self._call("EVALSHA", script.sha, keys, args)
 
+    @property
+    def pool(self) -> Any:
+        """The connection pool calls go through, or None when calls go through the client
+        (a cluster, an instrumented client): then nothing can be pipelined on it."""
+        return self._client.connection_pool if self._direct else None
+
+    def pipelined(
+        self, calls: list[tuple[str, list[bytes], list[Any]]], after_send: Callable[[], None]
+    ) -> list[Any]:
+        """Run ``calls`` in one round trip on one pooled connection: every call sent, then
+        ``after_send()``, then every reply read. Returns one item per call, in order: its reply,
+        or the exception that stands for it (an error reply: this call only; a lost connection:
+        this call and every one after it, which may or may not have run). No retry and no reload
+        here: the caller reruns what failed, one call at a time, through `run`."""
+        packed = b"".join(self._packed(name, keys, args) for name, keys, args in calls)
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        replies: list[Any] = []
+        try:
+            conn.send_packed_command([packed])
+            after_send()
+            for _ in calls:
+                try:
+                    replies.append(conn.read_response(disable_decoding=True))
+                except rex.ResponseError as exc:
+                    replies.append(exc)
+        except Exception as exc:  # the connection is gone: the rest are unknown
+            conn.disconnect()
+            replies += [exc] * (len(calls) - len(replies))
+        finally:
+            if conn.should_reconnect():
+                conn.disconnect()
+            pool.release(conn)
+        return replies
+
+    def send(self, name: str, keys: list[bytes], args: list[Any]) -> Callable[[], Any]:
+        """Send one call now and return ``read()``, which waits for its reply: the reply, or
+        None when nothing is known of the call (an error reply, the code lost by the server, a
+        lost connection) and the caller must run it again through `run`. The connection stays
+        out of the pool until ``read()``, which must be called exactly once."""
+        if not self._direct:  # through the client: one call at a time, by `run`
+            return _unknown
+        pool = self._client.connection_pool
+        try:
+            packed = self._packed(name, keys, args)
+            conn = pool.get_connection()
+        except Exception:  # `run` will say why
+            return _unknown
+        try:
+            conn.send_packed_command([packed])
+        except Exception:
+            conn.disconnect()
+            pool.release(conn)
+            return _unknown
+
+        def read() -> Any:
+            try:
+                return conn.read_response(disable_decoding=True)
+            except Exception:
+                conn.disconnect()
+                return None
+            finally:
+                if conn.should_reconnect():
+                    conn.disconnect()
+                pool.release(conn)
+
+        return read
+
+    def _packed(self, name: str, keys: list[bytes], args: list[Any]) -> bytes:
+        """One call as protocol bytes, through the library if the server runs it."""
+        if self._functions is None:
+            self._functions = self._load_library()
+        if self._functions:
+            return resp_command(["FCALL", self._fcall[name], len(keys), *keys, *args])
+        return resp_command(["EVALSHA", self._scripts[name].sha, len(keys), *keys, *args])
+
     def _load_library(self) -> bool:
         """Load the library; False if this server will not run functions (use scripts)."""
         try:
@@ -169,6 +246,10 @@ class Scripts:
             if conn.should_reconnect():
                 conn.disconnect()
             pool.release(conn)
+
+
+def _unknown() -> None:
+    return None
 
 
 def _exchange(conn: Any, packed: bytes) -> Any:

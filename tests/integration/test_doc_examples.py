@@ -4,7 +4,8 @@ A block is an example when the line right before its ```` ```python ```` fence i
 ``<!-- example: NAME -->``. Each runs as a script of its own in a fresh interpreter (cwd a
 temporary directory, the repository on ``PYTHONPATH``), so a block cannot lean on another's
 state or on anything this test imports; an example that needs PostgreSQL reads its URL from
-``TWOPC_EXAMPLE_PG_URL``, a fresh database of the shared test server. Sections that document a
+``TWOPC_EXAMPLE_PG_URL``, a fresh database of the shared test server, and one that needs Redis
+``TWOPC_EXAMPLE_REDIS_URL``, the shared test Redis, flushed. Sections that document a
 mechanism must carry at least one example: a section whose example was dropped fails here.
 """
 
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "messaging.md"
 README = REPO / "README.md"
 PG_ENV = "TWOPC_EXAMPLE_PG_URL"
+REDIS_ENV = "TWOPC_EXAMPLE_REDIS_URL"
 TIMEOUT = 60.0
 
 #: the sections (``## `` headings of docs/messaging.md) that must each carry an example
@@ -82,6 +84,8 @@ def test_example_runs(example: Example, tmp_path: Path, request: pytest.FixtureR
     env.pop(ENV_VAR, None)  # an armed crash point would kill the example, not test it
     if PG_ENV in example.code:
         env[PG_ENV] = request.getfixturevalue("make_pg_database")()
+    if REDIS_ENV in example.code:
+        env[REDIS_ENV] = request.getfixturevalue("redis_url")
     try:
         done = subprocess.run(
             [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,

@@ -21,7 +21,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import text
 
-from coordinator import ConfigurationError, Decision, TransactionRolledBack, Xid
+from coordinator import ConfigurationError, TransactionRolledBack, Xid
+from coordinator.decision_log import Decision
 from coordinator.xid import MAX_GID_BYTES, branches_of, resource_of, sub_branch_born
 from messaging.auth import SharedSecret
 from messaging.connection import Listener

@@ -24,7 +24,6 @@ import pytest
 
 import coordinator.errors as errors_module
 from coordinator import (
-    FORMAT_ID,
     FencedError,
     FileDecisionLog,
     IllegalStateError,
@@ -34,10 +33,10 @@ from coordinator import (
     TransactionManager,
     TransactionRolledBack,
     TransactionTimedOut,
-    TxState,
     Xid,
 )
-from coordinator.xid import custom_gtrid, validate_node_id, validate_resource_name
+from coordinator.states import TxState
+from coordinator.xid import FORMAT_ID, custom_gtrid, validate_node_id, validate_resource_name
 from tests.support.file_resource import COMMITTED, ROLLED_BACK, FileResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager
@@ -214,7 +213,7 @@ def test_commit_with_a_down_resource_rolls_back(
     assert tm.metrics_dict()["rollback_unreachable"] == 1
 
     report = tm.recover(force=True)  # the dead server is reported, nothing raised
-    assert any(f.startswith("recover:c") for f in report.failures)
+    assert any(f.startswith("listing resource c:") for f in report.failures)
     assert not report.clean
 
 

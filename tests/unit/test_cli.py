@@ -64,7 +64,7 @@ def test_status_recover_and_inspect_on_an_empty_log(tmp_path: Path) -> None:
 
 
 def test_status_lists_a_pending_decision_while_the_log_is_held(tmp_path: Path) -> None:
-    from coordinator import Decision
+    from coordinator.decision_log import Decision
 
     log = FileDecisionLog(tmp_path / "txlog")
     log.log_commit(Decision("ops-1:x-1", ("a", "b"), None, 1.0))
@@ -72,16 +72,17 @@ def test_status_lists_a_pending_decision_while_the_log_is_held(tmp_path: Path) -
         status = twopc("status", "-c", str(write_config(tmp_path)))  # the lock is held here
     finally:
         log.close()
-    assert status.returncode == 0, status.stderr
+    assert status.returncode == 3, status.stderr  # written in 1970: in doubt past --older-than
     assert "ops-1:x-1" in status.stdout and "a,b" in status.stdout
+    assert "1970-01-01T00:00:01Z" in status.stdout
 
 
 def test_recover_refuses_while_another_manager_holds_the_log(tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     with TransactionManager("ops-1", FileDecisionLog(tmp_path / "txlog"), recovery_interval=None):
         proc = twopc("recover", "-c", str(cfg))
-    assert proc.returncode == 2
-    assert "log-locked" in proc.stderr
+    assert proc.returncode == 2  # docs/operations.md, exit codes
+    assert proc.stderr.startswith("twopc: [log-locked]") and proc.stderr.count("\n") == 1
 
 
 def test_summarize_folds_end_and_forget() -> None:
@@ -97,3 +98,40 @@ def test_summarize_folds_end_and_forget() -> None:
     assert list(pending) == ["g2"]
     assert [h["gtrid"] for h in heuristics] == ["g2"]
     assert notes == []
+
+
+def test_cells_and_times_read_as_an_operator_reads_them() -> None:
+    from coordinator.cli_output import age, cell, readable, when
+
+    assert [cell(v) for v in (None, "", True, False, ["a", "b"], (), 1.5, 3)] == [
+        "-", "-", "yes", "no", "a,b", "-", "1.5", "3",
+    ]  # fmt: skip
+    assert when(0) is None and when(None) is None and when(86400.0) == "1970-01-02T00:00:00Z"
+    assert [age(s) for s in (5, 185, 7380, 93600, None)] == ["5s", "3m05s", "2h03m", "1d02h", None]
+    assert readable({"written_at": 86400.0, "branches": ("a",), "deadline": None}) == {
+        "written_at": "1970-01-02T00:00:00Z", "branches": ["a"], "deadline": None,
+    }  # fmt: skip
+
+
+def test_exit_codes_rank_by_urgency_and_errors_by_who_acts() -> None:
+    from coordinator import HeuristicMixed, LogLockedError, TransientError
+    from coordinator.cli_edge import Exit, exit_code_of, most_urgent
+
+    assert most_urgent() == Exit.OK
+    assert most_urgent(Exit.ATTENTION, Exit.IN_DOUBT) == Exit.IN_DOUBT
+    assert most_urgent(Exit.IN_DOUBT, Exit.UNREACHABLE, Exit.HEURISTIC) == Exit.HEURISTIC
+    assert exit_code_of(HeuristicMixed("x")) == Exit.HEURISTIC
+    assert exit_code_of(TransientError("x")) == Exit.UNREACHABLE
+    assert exit_code_of(LogLockedError("x")) == exit_code_of(InvalidXidError("x")) == Exit.USAGE
+
+
+def test_recovery_names_branches_by_gtrid_not_by_gid() -> None:
+    from coordinator import Xid
+    from coordinator.recovery import describe_error, describe_key
+
+    gid = Xid.branch_of("ops-1:x-1", "ledger").to_gid()
+    assert describe_key(gid) == "ops-1:x-1 on ledger"
+    assert describe_key("ops-1:x-1") == "ops-1:x-1"
+    assert describe_key("recover:ledger") == "listing resource ledger"
+    assert describe_error(ConnectionRefusedError("refused")) == "ConnectionRefusedError: refused"
+    assert describe_error(InvalidXidError("bad")) == "[invalid-xid] bad"

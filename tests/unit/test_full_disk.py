@@ -13,13 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import (
-    Decision,
-    FileDecisionLog,
-    LogWriteError,
-    TransactionManager,
-    TransactionRolledBack,
-)
+from coordinator import FileDecisionLog, LogWriteError, TransactionManager, TransactionRolledBack
+from coordinator.decision_log import Decision
 from tests.support.file_resource import FileResource
 from tests.support.managers import make_manager
 

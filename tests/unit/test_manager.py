@@ -20,7 +20,6 @@ import pytest
 import coordinator
 from coordinator import (
     CompletionPending,
-    Decision,
     FileDecisionLog,
     HeuristicMixed,
     HeuristicRollback,
@@ -33,11 +32,11 @@ from coordinator import (
     TransactionRolledBack,
     TransactionTimedOut,
     TransientError,
-    TxState,
     Xid,
 )
 from coordinator.backoff import NoBackoff
-from coordinator.decision_log import DecisionLog
+from coordinator.decision_log import Decision, DecisionLog
+from coordinator.states import TxState
 from tests.support.file_resource import COMMITTED, ROLLED_BACK, FileResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager

@@ -33,12 +33,12 @@ from coordinator import (
     Transaction,
     TransactionManager,
     TransactionRolledBack,
-    TxState,
     Xid,
     _reaper,
 )
 from coordinator.backoff import NoBackoff
 from coordinator.manager import _current, _Guard
+from coordinator.states import TxState
 from tests.support.faulty_ops import FaultyOps
 from tests.support.file_resource import COMMITTED, PREPARED, ROLLED_BACK, FileResource
 from tests.support.flaky_resource import FlakyResource

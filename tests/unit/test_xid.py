@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import FORMAT_ID, InvalidXidError, Xid
-from coordinator.xid import GtridFactory, branches_of, custom_gtrid
+from coordinator import InvalidXidError, Xid
+from coordinator.xid import FORMAT_ID, GtridFactory, branches_of, custom_gtrid
 
 
 def test_gid_round_trip_is_the_psycopg2_jdbc_form() -> None:

@@ -1,8 +1,8 @@
-"""The ``twopc`` data source as `spark_integration.demo` runs it: unchanged, but every micro-batch's
+"""The ``twopc`` data source as `twopc_demo.spark` runs it: unchanged, but every micro-batch's
 ``commit`` says on stderr what the tasks did and how the commit ended.
 
 Why a module of its own: Spark pickles the stream writer into the Python worker that runs
-``commit``, which must import its class by name; `spark_integration.demo` itself imports pyspark
+``commit``, which must import its class by name; `twopc_demo.spark` itself imports pyspark
 only when the demo runs. The lines start with `TAG` and hold one JSON object each: before the
 commit, ``{"batch", "tasks", "skipped", "rows"}`` (tasks that wrote, tasks that found the batch
 already committed, rows written); after it, ``{"batch", "replay", "committed", "rolled_back"}``
@@ -15,8 +15,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from . import driver_commit
-from .datasource import TwopcDataSource, TwopcStreamWriter, unwrap
+from spark_integration import driver_commit
+from spark_integration.datasource import TwopcDataSource, TwopcStreamWriter, unwrap
 
 if TYPE_CHECKING:
     from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage

@@ -1,0 +1,93 @@
+"""What a resource learns from its server once: whether it can prepare at all, and where twopc's
+own tables are (the outcome markers; a last resource's decision table), created if missing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator import ConfigurationError
+
+from . import _errors
+from ._decision_table import DecisionTable
+from ._driver import Driver
+from ._pooled import Pooled
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    database: str
+    role: str
+    max_prepared: int
+    marker_table: str | None  # schema-qualified and quoted, or None without markers
+    decisions: DecisionTable | None  # a last resource's decision table
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The tables a resource keeps in its database: ``None`` for one it does not keep."""
+
+    marker: str | None
+    decision: str | None
+
+
+def look_up(pool: Pooled, driver: Driver, name: str, tables: Tables) -> ServerFacts:
+    """The settings that make 2PC possible, and our tables (created if missing)."""
+
+    def look() -> ServerFacts:
+        with pool.connection() as connection:
+            (database, role, max_prepared, schema), *_ = driver.query(
+                connection,
+                "SELECT current_database(), current_user, "
+                "current_setting('max_prepared_transactions')::int, current_schema()",
+            )
+            marker, decisions = None, None
+            if (tables.marker or tables.decision) and schema is None:
+                raise ConfigurationError(
+                    f"{name}: no schema of the search_path exists, so there is "
+                    "nowhere to keep twopc's tables; create one or set search_path"
+                )
+            if tables.marker:
+                marker = f'"{schema}"."{tables.marker}"'
+                _ensure(
+                    driver, connection, name, marker, ddl=_marker_ddl(marker), what="outcome marker"
+                )
+            if tables.decision:
+                decisions = DecisionTable(f'"{schema}"."{tables.decision}"')
+                _ensure(
+                    driver, connection, name, decisions.table, ddl=decisions.ddl(), what="decision"
+                )
+        return ServerFacts(str(database), str(role), int(max_prepared), marker, decisions)
+
+    return pool.once_more(look)
+
+
+def _ensure(driver: Driver, connection: Any, name: str, table: str, *, ddl: str, what: str) -> None:
+    """Create one of our tables if it is missing, or say exactly what an admin must run.
+
+    Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
+    schema even when the table is there, and PostgreSQL 15 took that from ordinary roles.
+    """
+    if driver.query(connection, "SELECT to_regclass(%s) IS NOT NULL", [table])[0][0]:
+        return
+    for attempt in range(3):
+        try:
+            driver.run(connection, ddl)
+            return
+        except Exception as exc:
+            if _errors.is_permission_denied(exc):
+                raise ConfigurationError(
+                    f"{name}: the role may not create the {what} table "
+                    f"({_errors.describe(exc)}); have an administrator run: {ddl}; "
+                    f"GRANT SELECT, INSERT, DELETE ON {table} TO <role>"
+                ) from exc
+            # two processes creating it at once: one wins, the other sees a unique violation
+            if attempt == 2 or _errors.is_unreachable(exc):
+                raise
+
+
+def _marker_ddl(table: str) -> str:
+    return (
+        f"CREATE TABLE IF NOT EXISTS {table} (gid text PRIMARY KEY, "
+        "committed_at timestamptz NOT NULL DEFAULT now())"
+    )
