@@ -30,7 +30,7 @@ demo: $(DEMO_STAMP) servers
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check coordinator resource_managers messaging spark_integration
+	$(BIN)/ruff format --check coordinator resource_managers messaging spark_integration twopc_demo
 	$(BIN)/mypy
 	$(BIN)/python tools/check_layering.py
 

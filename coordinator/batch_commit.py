@@ -32,7 +32,7 @@ branch with ``commit``.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._verbs import BATCH, verbs_of
 from .resource import Outcome, Resource
@@ -48,7 +48,7 @@ class BatchCommitter(Protocol):
     @property
     def batch_key(self) -> Hashable | None: ...
 
-    def commit_batch(self, branches: Sequence[tuple[Resource, Xid]]) -> list[Answer]: ...
+    def commit_batch(self, branches: Sequence[tuple[Resource[Any], Xid]]) -> list[Answer]: ...
 
 
 def batch_committer(resource: object) -> BatchCommitter | None:

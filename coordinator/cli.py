@@ -261,9 +261,24 @@ def _add_plugins(sub: Any) -> None:
             say(f"[plugin] commands of {plugin.value} not loaded: {type(exc).__name__}: {exc}")
 
 
+def _verbose_anywhere(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``-v``/``--verbose`` wherever it is given (``twopc status -v`` as ``twopc -v status``);
+    no subcommand uses the flag for anything else. Arguments after ``--`` are left alone."""
+    args, verbose, rest = [], False, False
+    for arg in argv:
+        if not rest and arg in ("-v", "--verbose"):
+            verbose = True
+            continue
+        rest = rest or arg == "--"
+        args.append(arg)
+    return args, verbose
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv, verbose = _verbose_anywhere(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
+        args.verbose = args.verbose or verbose
     except KeyboardInterrupt:  # while the plugins load
         return interrupted()
     except BrokenPipeError:  # `twopc --help | head -1`

@@ -44,12 +44,8 @@ _BIND_ERRORS = {
 
 
 def register(sub: Any) -> None:
-    """Entry point of the ``twopc.commands`` group: ``serve``, and ``subscription``, ``dlq``,
-    ``queue`` and ``journal`` (registered here rather than as entry points of their own, so an
-    existing installation gets them without being reinstalled)."""
-    from .admin_cli import register as register_admin  # noqa: PLC0415 - it imports this module
-    from .journal_cli import register as register_journal  # noqa: PLC0415 - as admin_cli
-
+    """Entry point of the ``twopc.commands`` group: ``serve`` (``subscription``, ``dlq``,
+    ``queue`` and ``journal`` are entry points of their own, `admin_cli` and `journal_cli`)."""
     serve = sub.add_parser("serve", help="run a message log or a cursor as a server")
     kinds = serve.add_subparsers(dest="serve_kind", required=True)
 
@@ -82,8 +78,6 @@ def register(sub: Any) -> None:
         help="topic dispatcher threads (0: no topic dispatch; publications wait)",
     )  # fmt: skip
     cur_p.set_defaults(func=run_cursor)
-    register_admin(sub)
-    register_journal(sub)
 
 
 def _common(p: argparse.ArgumentParser, default_listen: str) -> None:

@@ -1,5 +1,6 @@
 """Fail when an import breaks the layering twopc_demo > spark_integration > messaging
-> resource_managers > coordinator, or when modules of coordinator/ import each other in a circle.
+> resource_managers > coordinator, or when modules of any of these packages import each other in
+a circle.
 
 Why a script and not a convention: the coordinator is the part people trust with their money, so it
 must stay importable with nothing but the standard library, and a lower layer must never reach up
@@ -100,7 +101,8 @@ def cycles(package: str = "coordinator") -> list[list[str]]:
 
 def main() -> int:
     problems = violations()
-    problems += [f"import circle: {' -> '.join(c)}" for c in cycles()]
+    for package in LAYERS:
+        problems += [f"import circle: {' -> '.join(c)}" for c in cycles(package)]
     for line in problems:
         print(line, file=sys.stderr)
     print(f"layering: {len(problems)} violation(s)")

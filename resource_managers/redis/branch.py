@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.exceptions import ResponseError
 
@@ -26,8 +26,26 @@ from coordinator import IllegalStateError, ProgrammingError, Xid
 from . import _writeset as ws
 from ._writeset import STRING, UNKNOWN, Base, Op, Query
 
-if TYPE_CHECKING:
-    from .resource import RedisResource
+
+class BranchHost(Protocol):
+    """What a branch asks of its resource (`RedisResource` is one): narrow, so the branch needs
+    nothing else of it and the two modules do not import each other."""
+
+    @property
+    def name(self) -> str: ...
+
+    blind_writes: bool
+
+    def data_key(self, name: Any) -> bytes: ...
+
+    def decode(self, value: Any) -> Any: ...
+
+    def read_now(self, key: bytes, query: Query) -> Any: ...
+
+    def read_facts(
+        self, key: bytes, queries: list[Query], fingerprint: bool
+    ) -> tuple[Base, bytes]: ...
+
 
 #: a branch's life: ACTIVE (work) -> PREPARING (a script may be on its way) -> ENDED, or
 #: ACTIVE -> FAILED (voted no before anything reached Redis) -> ENDED
@@ -38,7 +56,7 @@ _PHASE_TEXT = {PREPARING: "being prepared", FAILED: "voting no", ENDED: "finishe
 class RedisBranch:
     """One transaction's work on one Redis (or one hash slot of a cluster)."""
 
-    def __init__(self, resource: RedisResource, xid: Xid) -> None:
+    def __init__(self, resource: BranchHost, xid: Xid) -> None:
         self._resource = resource
         self.xid = xid
         self.gid = xid.to_gid()

@@ -410,7 +410,7 @@ class RedisResource:
         branches in one pipelined round trip. None for a cluster or an instrumented client."""
         return self._scripts.pool
 
-    def commit_batch(self, branches: Sequence[tuple[Resource, Xid]]) -> list[Answer]:
+    def commit_batch(self, branches: Sequence[tuple[Resource[Any], Xid]]) -> list[Answer]:
         """Phase two of several prepared branches, this resource's and others' on the same pool,
         as one pipeline of commit scripts (`coordinator.batch_commit`).
 
@@ -675,7 +675,7 @@ class RedisResource:
         self._durability_checked = True
 
 
-def _peer(leader: RedisResource, resource: Resource) -> RedisResource:
+def _peer(leader: RedisResource, resource: Resource[Any]) -> RedisResource:
     """A resource of ``leader``'s batch: one on the same connection pool."""
     if not isinstance(resource, RedisResource) or resource.batch_key is not leader.batch_key:
         raise ProgrammingError(f"{leader.name}: {resource.name!r} is not on its connection pool")

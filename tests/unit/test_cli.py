@@ -135,3 +135,14 @@ def test_recovery_names_branches_by_gtrid_not_by_gid() -> None:
     assert describe_key("recover:ledger") == "listing resource ledger"
     assert describe_error(ConnectionRefusedError("refused")) == "ConnectionRefusedError: refused"
     assert describe_error(InvalidXidError("bad")) == "[invalid-xid] bad"
+
+
+def test_verbose_after_the_subcommand_shows_the_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``twopc status -v`` is ``twopc -v status``: the one-line error, then the traceback."""
+    from coordinator.cli import main
+
+    assert main(["status", "-c", str(tmp_path / "missing.toml"), "-v"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "[configuration] no config file" in err
