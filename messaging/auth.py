@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 from coordinator.errors import ConfigurationError, FrameError
 
 from .frames import (
+    HANDSHAKE_VERSIONS,
     SUPPORTED_VERSIONS,
     Auth,
     ErrorFrame,
@@ -251,7 +252,9 @@ def server_handshake(
 
     def steps() -> Peer:
         send_frame(sock, hello)
-        frame = FrameReader(_Deadline(sock, timeout), max_frame=PRE_AUTH_MAX_FRAME).read()
+        frame = FrameReader(
+            _Deadline(sock, timeout), max_frame=PRE_AUTH_MAX_FRAME, versions=HANDSHAKE_VERSIONS
+        ).read()
         auth, welcome = check_auth(secret, hello, frame, roles)
         send_frame(sock, welcome)
         return Peer(auth.client_id, auth.role, auth.version)
@@ -277,7 +280,9 @@ def client_handshake(
     _check_id("role", role)
 
     def steps() -> Peer:
-        reader = FrameReader(_Deadline(sock, timeout), max_frame=PRE_AUTH_MAX_FRAME)
+        reader = FrameReader(
+            _Deadline(sock, timeout), max_frame=PRE_AUTH_MAX_FRAME, versions=HANDSHAKE_VERSIONS
+        )
         hello, auth = answer_hello(secret, reader.read(), client_id, role, server_id)
         send_frame(sock, auth)
         return check_welcome(secret, hello, auth, reader.read())
@@ -348,7 +353,7 @@ async def server_handshake_async(
 
     async def steps() -> Peer:
         await write_frame(writer, hello)
-        frame = await read_frame(reader, max_frame=PRE_AUTH_MAX_FRAME)
+        frame = await read_frame(reader, max_frame=PRE_AUTH_MAX_FRAME, versions=HANDSHAKE_VERSIONS)
         auth, welcome = check_auth(secret, hello, frame, roles)
         await write_frame(writer, welcome)
         return Peer(auth.client_id, auth.role, auth.version)
@@ -371,10 +376,10 @@ async def client_handshake_async(
     _check_id("role", role)
 
     async def steps() -> Peer:
-        frame = await read_frame(reader, max_frame=PRE_AUTH_MAX_FRAME)
+        frame = await read_frame(reader, max_frame=PRE_AUTH_MAX_FRAME, versions=HANDSHAKE_VERSIONS)
         hello, auth = answer_hello(secret, frame, client_id, role, server_id)
         await write_frame(writer, auth)
-        frame = await read_frame(reader, max_frame=PRE_AUTH_MAX_FRAME)
+        frame = await read_frame(reader, max_frame=PRE_AUTH_MAX_FRAME, versions=HANDSHAKE_VERSIONS)
         return check_welcome(secret, hello, auth, frame)
 
     return await _run_async(writer, timeout, steps())

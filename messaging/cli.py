@@ -2,8 +2,9 @@
 here too, the cursor's administration commands of `admin_cli`).
 
 Each prints one line, ``listening on HOST:PORT``, once it accepts connections (scripts and tests
-wait for it), and shuts down cleanly on SIGTERM or SIGINT: listener closed, transfer stopped,
-journal flushed. A ``kill -9`` is survived as well: that is what the journals are for.
+wait for it; a log then prints its durable identity and incarnation), and shuts down cleanly on
+SIGTERM or SIGINT: listener closed, transfer stopped, journal flushed. A ``kill -9`` is survived
+as well: that is what the journals are for.
 
 The shared secret comes from ``--secret-file`` or the ``TWOPC_SECRET`` environment variable
 (never from the command line, where every user of the machine can read it).
@@ -25,6 +26,7 @@ from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES
 
 from .auth import SharedSecret, TlsConfig
 from .connection import parse_address
+from .routes import parse_route
 from .topics import DEFAULT_DISPATCH_WORKERS
 
 if TYPE_CHECKING:
@@ -49,7 +51,15 @@ def register(sub: Any) -> None:
 
     log_p = kinds.add_parser("log", help="a message log: producer service and transfer")
     _common(log_p, default_listen="127.0.0.1:7401")
-    log_p.add_argument("--cursor", required=True, metavar="HOST:PORT", help="the cursor server")
+    log_p.add_argument(
+        "--cursor", required=True, metavar="HOST:PORT",
+        help="the cursor server: where every destination no --route matches goes",
+    )  # fmt: skip
+    log_p.add_argument(
+        "--route", action="append", default=[], metavar="PATTERN=HOST:PORT",
+        help="send the destinations matching the glob PATTERN (e.g. 'orders.*') to that cursor; "
+        "repeatable, the first match wins; one transfer per cursor",
+    )  # fmt: skip
     log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
     log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     log_p.add_argument("--max-destination-messages", type=int, default=None)
@@ -100,13 +110,17 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
     return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=False)
 
 
-def _serve_until_signalled(server: LogServer | CursorServer, address: object) -> int:
+def _serve_until_signalled(
+    server: LogServer | CursorServer, address: object, notice: str = ""
+) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with server:
         host, port = address if isinstance(address, tuple) else ("?", "?")
         print(f"listening on {host}:{port}", flush=True)
+        if notice:
+            print(notice, flush=True)
         stop.wait()
     print("stopped", flush=True)
     return 0
@@ -131,6 +145,7 @@ def run_log(args: argparse.Namespace) -> int:
 
     tls = _tls(args)
     client_tls = TlsConfig(cafile=args.tls_ca).client_context() if args.tls_ca else None
+    routes = [parse_route(text) for text in args.route]  # refused before anything is opened
     server = _built(args, lambda: LogServer(
         args.dir,
         secret_from(args),
@@ -142,8 +157,11 @@ def run_log(args: argparse.Namespace) -> int:
         cursor_id=args.cursor_id,
         max_message_bytes=args.max_message_bytes,
         max_destination_messages=args.max_destination_messages,
+        routes=routes,
     ))  # fmt: skip
-    return _serve_until_signalled(server, server.address)
+    mlog = server.mlog  # the cursor keeps this log's streams under its identity
+    notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
+    return _serve_until_signalled(server, server.address, notice)
 
 
 def run_cursor(args: argparse.Namespace) -> int:

@@ -65,8 +65,12 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.max_frame = max_frame
+        #: every frame after the handshake carries the version AUTH chose, both ways
+        self.version = peer.version
         # The connection is the socket's last reader, so it may read ahead (see `readable`).
-        self._reader = FrameReader(sock, max_frame=max_frame, read_ahead=READ_AHEAD)
+        self._reader = FrameReader(
+            sock, max_frame=max_frame, versions=frozenset({peer.version}), read_ahead=READ_AHEAD
+        )
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._timeout: float | object | None = object()  # what the socket has now
@@ -81,7 +85,7 @@ class Connection:
     def send_many(self, frames: Iterable[Frame]) -> None:
         """Encode first, then one ``sendall``: a batch costs one system call, and a frame too
         large is refused (`ProgrammingError`) before any byte of the batch is sent."""
-        data = b"".join(encode(f, max_frame=self.max_frame) for f in frames)
+        data = b"".join(encode(f, version=self.version, max_frame=self.max_frame) for f in frames)
         if not data:
             return
         with self._send_lock:

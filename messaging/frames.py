@@ -53,8 +53,14 @@ from coordinator.errors import FrameError, InvalidXidError, ProgrammingError
 from coordinator.xid import Xid
 
 MAGIC = b"TPCM"
+#: the handshake's version: HELLO, AUTH, WELCOME and a handshake's ERROR carry it whatever
+#: version the connection then speaks, so any client can read a HELLO (and the default HELLO
+#: ``versions``)
 PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+#: version 2 adds ORIGIN: a transfer says which log (its durable identity) it carries
+ORIGIN_VERSION = 2
+HANDSHAKE_VERSIONS = frozenset({PROTOCOL_VERSION})
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION, ORIGIN_VERSION})
 HEADER = struct.Struct(">4sBBHII")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -82,6 +88,7 @@ class FrameType(enum.IntEnum):
     MSG = 16
     ACK = 17
     NACK = 18
+    ORIGIN = 19
     XA_START = 32
     XA_PREPARE = 33
     XA_COMMIT = 34
@@ -460,6 +467,18 @@ class Nack:
     detail: str = ""
 
 
+@_frame(FrameType.ORIGIN)
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Log -> cursor, the first frame of a transfer in version 2: the log's durable identity
+    (its streams at the cursor are its own) and the incarnation of the process sending, so a
+    cursor can refuse an older process that claims the same identity."""
+
+    TYPE: ClassVar[FrameType] = FrameType.ORIGIN
+    log: str
+    incarnation: int
+
+
 XA_VERBS = frozenset(FrameType(t) for t in range(FrameType.XA_START, FrameType.XA_FORGET + 1))
 
 
@@ -500,7 +519,18 @@ class XaReply:
 
 
 Frame: TypeAlias = (
-    Hello | Auth | Welcome | ErrorFrame | Ping | Pong | Msg | Ack | Nack | XaRequest | XaReply
+    Hello
+    | Auth
+    | Welcome
+    | ErrorFrame
+    | Ping
+    | Pong
+    | Msg
+    | Ack
+    | Nack
+    | Origin
+    | XaRequest
+    | XaReply
 )
 
 
@@ -955,9 +985,16 @@ class _Sender(Protocol):
     def sendall(self, data: bytes, /) -> None: ...
 
 
-def send_frame(sock: _Sender, frame: Frame, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-    """Encode and send one frame; callers sharing a socket between threads hold a lock."""
-    sock.sendall(encode(frame, max_frame=max_frame))
+def send_frame(
+    sock: _Sender,
+    frame: Frame,
+    *,
+    version: int = PROTOCOL_VERSION,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> None:
+    """Encode and send one frame; callers sharing a socket between threads hold a lock. After
+    the handshake, ``version`` is the one it chose (`auth.Peer.version`)."""
+    sock.sendall(encode(frame, version=version, max_frame=max_frame))
 
 
 async def read_frame(
@@ -986,7 +1023,12 @@ async def read_frame(
 
 
 async def write_frame(
-    writer: asyncio.StreamWriter, frame: Frame, *, max_frame: int = DEFAULT_MAX_FRAME
+    writer: asyncio.StreamWriter,
+    frame: Frame,
+    *,
+    version: int = PROTOCOL_VERSION,
+    max_frame: int = DEFAULT_MAX_FRAME,
 ) -> None:
-    writer.write(encode(frame, max_frame=max_frame))
+    """The asyncio twin of `send_frame`."""
+    writer.write(encode(frame, version=version, max_frame=max_frame))
     await writer.drain()

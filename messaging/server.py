@@ -1,7 +1,8 @@
 """The message log and the cursor as running services: embedded in an application, or on their own
 as ``twopc serve log`` / ``twopc serve cursor``.
 
-- `LogServer`: a `MessageLog` on disk, one `LogTransfer` thread to its cursor, and, when it
+- `LogServer`: a `MessageLog` on disk, one `LogTransfer` to each cursor its routes name (the
+  default cursor, and every cursor of a ``routes`` entry: `messaging.routes`), and, when it
   listens, the ``producer`` service through which remote applications enlist the log
   (`messaging.remote.RemoteMessageLog`). Embedded, an application makes one without ``listen``
   and joins ``server.resource`` in its transactions directly.
@@ -21,7 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from coordinator.errors import ConfigurationError
@@ -41,6 +43,7 @@ from resource_managers.sequencing import DoublingBackoff
 from .auth import SharedSecret
 from .connection import INTERNAL_ERRORS, Address, Connection, Handler, Listener, connect
 from .remote import CONSUMER_ROLE, PRODUCER_ROLE, ConsumerService, ProducerService
+from .routes import Route, Router
 from .topics import DEFAULT_DISPATCH_WORKERS, TopicDispatcher
 from .transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 
@@ -48,7 +51,10 @@ log = logging.getLogger("twopc.server")
 
 
 class LogServer:
-    """A message log, its transfer to ``cursor`` and (with ``listen``) its producer service."""
+    """A message log, its transfers and (with ``listen``) its producer service. ``cursor`` is the
+    default route; ``routes`` send the destinations their patterns match to other cursors, one
+    `LogTransfer` per cursor (``transfers``; ``transfer`` is the default cursor's). ``cursor_id``
+    and ``cursor_hostname`` are checked of the default cursor only."""
 
     def __init__(
         self,
@@ -67,6 +73,7 @@ class LogServer:
         resend: DoublingBackoff | None = None,
         streams: Callable[[str], bool] | None = None,
         resource_name: str = "mlog",
+        routes: Sequence[Route] = (),
     ) -> None:
         self.mlog = MessageLog(
             directory,
@@ -74,16 +81,33 @@ class LogServer:
             max_destination_messages=max_destination_messages,
         )
         self.resource = MessageLogResource(self.mlog, resource_name)
+        self.router = Router(cursor, routes)
+        wanted = streams or (lambda _stream: True)
 
-        def dial() -> Connection:
-            return connect(
-                cursor, secret, server_id, TRANSFER_ROLE, tls=tls_client,
-                server_hostname=cursor_hostname, server_id=cursor_id,
+        def dialer(address: Address) -> Callable[[], Connection]:
+            default = address == cursor
+            return lambda: connect(
+                address, secret, server_id, TRANSFER_ROLE, tls=tls_client,
+                server_hostname=cursor_hostname if default else None,
+                server_id=cursor_id if default else None,
             )  # fmt: skip
 
-        self.transfer = LogTransfer(
-            self.mlog, dial, resend=resend, streams=streams, peer=f"{cursor[0]}:{cursor[1]}"
-        )
+        def routed(address: Address) -> Callable[[str], bool]:
+            return lambda stream: self.router.cursor_for(stream) == address and wanted(stream)
+
+        #: one transfer per cursor, the default cursor's first
+        self.transfers = {
+            address: LogTransfer(
+                self.mlog,
+                dialer(address),
+                resend=resend,
+                streams=routed(address),
+                name="transfer" if address == cursor else f"transfer-{address[0]}:{address[1]}",
+                peer=f"{address[0]}:{address[1]}",
+            )
+            for address in self.router.cursors()
+        }
+        self.transfer = self.transfers[cursor]
         self.listener: Listener | None = None
         self.service = ProducerService(self.mlog)
         try:
@@ -104,8 +128,16 @@ class LogServer:
         listener = 0 if self.listener is None else self.listener.stats[INTERNAL_ERRORS]
         return listener + self.service.stats[INTERNAL_ERRORS]
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Every transfer's `LogTransfer.wait_idle`: nothing unacknowledged for any cursor."""
+        deadline = time.monotonic() + timeout
+        return all(  # each looks at least once, however long the ones before it took
+            t.wait_idle(max(0.05, deadline - time.monotonic())) for t in self.transfers.values()
+        )
+
     def start(self) -> LogServer:
-        self.transfer.start()
+        for transfer in self.transfers.values():
+            transfer.start()
         if self.listener is not None:
             self.listener.start()
         return self
@@ -114,7 +146,8 @@ class LogServer:
         """Stop serving, stop the transfer, then close the journal (lazy records flushed)."""
         if self.listener is not None:
             self.listener.close()
-        self.transfer.close()
+        for transfer in self.transfers.values():
+            transfer.close()
         self.mlog.close()
 
     def __enter__(self) -> LogServer:

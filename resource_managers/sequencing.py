@@ -27,9 +27,13 @@ Sender, per (stream, epoch), `StreamSender`:
   `fenced`: a newer incarnation of its log owns the stream.
 
 Receiver, `StreamFilter`: per stream only (epoch, last accepted number), fresh (0, 0); see
-`classify` for the rule. ``offer`` judges without changing anything; the caller persists the
-message with ``decision.after`` atomically, then calls ``accepted`` and only then sends the ack it
-returns (persist before acknowledging). Drops carry their re-acknowledgment in ``decision.ack``.
+`classify` for the rule. A receiver fed by several logs keys its streams by log and stream
+(`stream_key`: ``<log identity>|<stream>``), so each log's numbers are judged on their own; a
+stream key without a log (a log that sent no identity, or state kept before identities existed)
+is *claimed* by the first log that sends that stream in the same epoch (`StreamFilter.state`).
+``offer`` judges without changing anything; the caller persists the message with
+``decision.after`` atomically, then calls ``accepted`` and only then sends the ack it returns
+(persist before acknowledging). Drops carry their re-acknowledgment in ``decision.ack``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from coordinator.errors import FrameError, IllegalStateError
 MAX_NUMBER = 2**64 - 1
 MAX_NAME_CHARS = 255
 _STATE_VERSION = 1
+#: joins a log's identity to a stream name in a receiver's stream key (in neither of them)
+KEY_SEPARATOR = "|"
+#: a stream key: a log identity (at most 40 characters), the separator, a stream name
+MAX_KEY_CHARS = 40 + 1 + MAX_NAME_CHARS
 
 
 def _number(name: str, value: object, low: int, error: type[Exception] = FrameError) -> int:
@@ -54,10 +62,24 @@ def _number(name: str, value: object, low: int, error: type[Exception] = FrameEr
     return value
 
 
-def _name(name: str, value: object, error: type[Exception] = FrameError) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
-        raise error(f"{name} must be a string of 1-{MAX_NAME_CHARS} characters")
+def _name(
+    name: str, value: object, error: type[Exception] = FrameError, limit: int = MAX_NAME_CHARS
+) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= limit:
+        raise error(f"{name} must be a string of 1-{limit} characters")
     return value
+
+
+def stream_key(log: str, stream: str) -> str:
+    """The receiver's key of ``stream`` as sent by the log ``log``; the stream itself for a log
+    without an identity ("")."""
+    return f"{log}{KEY_SEPARATOR}{stream}" if log else stream
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(log identity or "", stream) of a receiver's stream key."""
+    log, sep, stream = key.rpartition(KEY_SEPARATOR)
+    return (log, stream) if sep else ("", key)
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,7 @@ class Frame:
     message_id: str
 
     def __post_init__(self) -> None:
-        _name("stream", self.stream)
+        _name("stream", self.stream, limit=MAX_KEY_CHARS)
         _name("message id", self.message_id)
         _number("epoch", self.epoch, 1)
         _number("sequence number", self.seq, 1)
@@ -91,7 +113,7 @@ class Ack:
     seq: int
 
     def __post_init__(self) -> None:
-        _name("stream", self.stream)
+        _name("stream", self.stream, limit=MAX_KEY_CHARS)
         _number("epoch", self.epoch, 0)
         _number("sequence number", self.seq, 0)
 
@@ -170,22 +192,41 @@ class StreamFilter:
         #: verdicts seen since this object was made (metrics; not part of the durable state)
         self.counts: dict[Verdict, int] = dict.fromkeys(Verdict, 0)
 
-    def state(self, stream: str) -> StreamState:
-        return self._streams.get(stream, StreamState())
+    def state(self, stream: str, epoch: int | None = None) -> StreamState:
+        """``stream``'s state; for a log's stream key with no state of its own and a frame of
+        ``epoch``, the state of the same stream without a log if it is in that epoch (a claim:
+        the log that numbered those messages sends them again under its identity, and its
+        epoch, the moment its log first numbered the stream, is that history's name)."""
+        state = self._streams.get(stream)
+        if state is not None:
+            return state
+        bare = split_key(stream)[1]
+        if epoch is not None and bare != stream:
+            legacy = self._streams.get(bare)
+            if legacy is not None and legacy.epoch == epoch:
+                return legacy
+        return StreamState()
 
-    def ack_for(self, stream: str) -> Ack:
-        """The order acknowledgment for ``stream`` now, e.g. for a periodic re-ack."""
-        state = self.state(stream)
+    def ack_for(self, stream: str, epoch: int | None = None) -> Ack:
+        """The order acknowledgment for ``stream`` now, e.g. for a periodic re-ack (``epoch``:
+        the sender's, for a claim; see `state`)."""
+        state = self.state(stream, epoch)
         return Ack(stream, state.epoch, state.last)
+
+    def subset(self, streams: Iterable[str]) -> StreamFilter:
+        """A copy of ``streams``' states and of the states they may claim, for a trial."""
+        names = {name for s in streams for name in (s, split_key(s)[1])}
+        return StreamFilter({n: self._streams[n] for n in names if n in self._streams})
 
     def offer(self, frame: Frame) -> Decision:
         """Judge ``frame``; changes nothing but the counts."""
-        before = self.state(frame.stream)
+        before = self.state(frame.stream, frame.epoch)
         verdict = classify(before, frame)
         self.counts[verdict] += 1
         if verdict.accepts:
             return Decision(verdict, frame, before, StreamState(frame.epoch, frame.seq), None)
-        return Decision(verdict, frame, before, before, self.ack_for(frame.stream))
+        ack = Ack(frame.stream, before.epoch, before.last)
+        return Decision(verdict, frame, before, before, ack)
 
     def accepted(self, decision: Decision) -> Ack:
         """Adopt an accepting decision once its message and ``decision.after`` are durable; returns
@@ -198,12 +239,16 @@ class StreamFilter:
         """`accepted` without building its acknowledgment, for a batch that sends one per
         stream once every message of it is adopted."""
         stream = decision.frame.stream
-        if not decision.verdict.accepts or self.state(stream) != decision.before:
+        if (
+            not decision.verdict.accepts
+            or self.state(stream, decision.frame.epoch) != decision.before
+        ):
             raise IllegalStateError(
                 f"decision {decision.verdict.value} on stream {stream!r} cannot be adopted now",
                 stream=stream,
             )
         self._streams[stream] = decision.after
+        claim(self._streams, stream, decision.after.epoch)
 
     def to_dict(self) -> dict[str, Any]:
         streams = {name: state.to_dict() for name, state in sorted(self._streams.items())}
@@ -215,8 +260,20 @@ class StreamFilter:
             raise ValueError(f"unknown filter state version {data.get('version')!r}")
         streams = data["streams"]
         return cls(
-            {_name("stream", k, ValueError): StreamState.from_dict(v) for k, v in streams.items()}
+            {
+                _name("stream", k, ValueError, MAX_KEY_CHARS): StreamState.from_dict(v)
+                for k, v in streams.items()
+            }
         )
+
+
+def claim(streams: dict[str, StreamState], key: str, epoch: int) -> None:
+    """A log's stream key now has state of its own in ``epoch``: its twin without a log, if in
+    that epoch, was its history and is dropped (the receiver's journal replays the same rule)."""
+    bare = split_key(key)[1]
+    legacy = streams.get(bare)
+    if bare != key and legacy is not None and legacy.epoch == epoch:
+        del streams[bare]
 
 
 # -- sender ------------------------------------------------------------------------------------

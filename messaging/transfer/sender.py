@@ -41,7 +41,7 @@ from resource_managers.message_log import MessageLog
 from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
 
 from ..connection import Connection
-from ..frames import Ack, ErrorFrame, Msg, Nack, Ping, Pong
+from ..frames import ORIGIN_VERSION, Ack, ErrorFrame, Msg, Nack, Origin, Ping, Pong
 from ..frames import Frame as WireFrame
 from .wire import to_wire
 
@@ -55,6 +55,8 @@ UNREACHABLE_WARN_CAP = 300.0
 TRANSFER_ROLE = "transfer"
 #: the NACK reason of a message the cursor will never accept (see `TransferReceiver`)
 INVALID_MESSAGE = "invalid-message"
+#: the ERROR code of a cursor refusing this process's log identity (`LogFencedError`)
+LOG_FENCED = "log-fenced"
 
 
 class LogTransfer:
@@ -202,6 +204,14 @@ class LogTransfer:
             self.stats["connect_failures"] += 1
             self._unreachable.failed(self.name, self.peer, exc)
             return False
+        if conn.version >= ORIGIN_VERSION:  # our streams are ours at the cursor, not shared
+            try:
+                conn.send(Origin(self.mlog.identity, self.mlog.incarnation))
+            except OSError as exc:
+                conn.close()
+                self.stats["connect_failures"] += 1
+                self._unreachable.failed(self.name, self.peer, exc)
+                return False
         self._unreachable.reached(self.name, self.peer)
         self.stats["connections"] += 1
         with self._lock:
@@ -329,9 +339,22 @@ class LogTransfer:
         elif isinstance(frame, Nack):
             self._on_nack(frame)
         elif isinstance(frame, ErrorFrame):
+            if frame.code == LOG_FENCED:
+                self._fenced(frame.message)
             raise ConnectionAbortedError(f"the cursor closes: {frame.code} {frame.message}")
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
+
+    def _fenced(self, message: str) -> None:
+        """The cursor refuses this log's identity: a newer process announced the same one. Said
+        once, loudly: nothing this process sends will be accepted until it is the newest again
+        (reopened), and two processes of one log must not both run."""
+        self.stats["fenced"] += 1
+        if self.stats["fenced"] == 1:
+            log.error(
+                "%s: the cursor fenced this log (identity %s, incarnation %d): %s",
+                self.name, self.mlog.identity, self.mlog.incarnation, message,
+            )  # fmt: skip
 
     def _on_nack(self, nack: Nack) -> None:
         """``invalid-message``: the cursor will refuse every resend, and the stream cannot move
@@ -384,8 +407,9 @@ class LogTransfer:
             self._fenced_logged.add(ack.stream)
             log.error(
                 "%s: the cursor acknowledged stream %s in epoch %d, newer than ours (%d): "
-                "another log feeds the same stream; its messages and ours cannot both be "
-                "delivered in order", self.name, ack.stream, ack.epoch, sender.epoch,
+                "another process of this log (or, over protocol version 1, another log) feeds "
+                "the same stream; its messages and ours cannot both be delivered in order",
+                self.name, ack.stream, ack.epoch, sender.epoch,
             )  # fmt: skip
         if result.verdict is AckVerdict.ADVANCED:
             crash_point("xfer.log.before_compact")

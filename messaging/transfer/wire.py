@@ -11,7 +11,7 @@ from typing import cast
 
 from coordinator.errors import FrameError
 from resource_managers.message_log import InvalidMessageError, Message, check_message
-from resource_managers.sequencing import Frame
+from resource_managers.sequencing import MAX_NAME_CHARS, Frame, stream_key
 
 from ..frames import Msg, Value
 
@@ -31,11 +31,14 @@ def to_wire(frame: Frame, message: Message) -> Msg:
     )
 
 
-def from_wire(msg: Msg) -> tuple[Frame, Message]:
+def from_wire(msg: Msg, log: str = "") -> tuple[Frame, Message]:
     """The numbers (impossible ones raise `FrameError`: drop the connection) and the message,
     judged by the check every producer's message passes (`check_message`: one no log could have
-    written raises `InvalidMessageError`: refuse it, keep the connection)."""
-    frame = Frame(msg.stream, msg.epoch, msg.seq, msg.prev, msg.message_id)
+    written raises `InvalidMessageError`: refuse it, keep the connection). The frame's stream is
+    the cursor's key of it: the stream of the log ``log`` ("": a log that named none)."""
+    if not 0 < len(msg.stream) <= MAX_NAME_CHARS:  # before it is joined to the log's identity
+        raise FrameError(f"stream must be a string of 1-{MAX_NAME_CHARS} characters")
+    frame = Frame(stream_key(log, msg.stream), msg.epoch, msg.seq, msg.prev, msg.message_id)
     expires = msg.expires_at_ms
     if expires is not None and expires < 0:
         raise FrameError(f"message {msg.message_id}: negative expiry {expires}")
@@ -49,9 +52,9 @@ def from_wire(msg: Msg) -> tuple[Frame, Message]:
             expires,
         )
     )
-    if message.stream != frame.stream:
+    if message.stream != msg.stream:
         raise InvalidMessageError(
-            f"message {msg.message_id} for {message.stream!r} arrived on stream {frame.stream!r}"
+            f"message {msg.message_id} for {message.stream!r} arrived on stream {msg.stream!r}"
         )
     return frame, message
 

@@ -12,6 +12,7 @@ from ._cursor import (
     Cursor,
     CursorStats,
     Delivery,
+    LogFencedError,
     journal_replay,
 )
 from ._precount import DEFAULT_PRECOUNT
@@ -41,6 +42,7 @@ __all__ = [
     "CursorResource",
     "CursorStats",
     "Delivery",
+    "LogFencedError",
     "Subscription",
     "TopicPublication",
     "is_subscription_queue",

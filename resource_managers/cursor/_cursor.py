@@ -49,6 +49,7 @@ from typing import Any
 
 from coordinator.crashpoints import crash_point
 from coordinator.errors import (
+    FencedError,
     IllegalStateError,
     LogWriteError,
     ProgrammingError,
@@ -70,7 +71,7 @@ from resource_managers.message_log import (
     check_message,
     validate_destination,
 )
-from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter
+from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter, stream_key
 
 from . import _precount
 from ._precount import DEFAULT_PRECOUNT
@@ -100,6 +101,14 @@ def journal_replay() -> Callable[[bytes], None]:
     `coordinator.journal.quarantine`, which must judge records exactly as an open would)."""
     state = CursorState()
     return lambda payload: state.apply(decode(payload))
+
+
+class LogFencedError(FencedError):
+    """A transfer from a log whose identity a newer process of the same identity announced
+    since (a copied or restored log directory running beside the original): its messages and
+    the newer one's cannot both be delivered exactly once, so the older is refused."""
+
+    code = "log-fenced"
 
 
 class BranchRolledBack(TransactionRolledBack):
@@ -257,7 +266,7 @@ class Cursor:
         check_message(message)
         with self._stream_lock(frame.stream):
             with self._lock:
-                if self._filter.state(frame.stream) != decision.before:
+                if self._filter.state(frame.stream, frame.epoch) != decision.before:
                     raise IllegalStateError(
                         f"stream {frame.stream!r} moved since the offer", stream=frame.stream
                     )
@@ -277,7 +286,11 @@ class Cursor:
             return self.accept(message, decision)
 
     def deliver_lazily(
-        self, items: Sequence[tuple[Frame, Message]], send: Callable[[list[Ack]], None]
+        self,
+        items: Sequence[tuple[Frame, Message]],
+        send: Callable[[list[Ack]], None],
+        *,
+        source: tuple[str, int] | None = None,
     ) -> None:
         """`deliver_many` whose ``M`` records are not forced: they are applied at once (the
         messages available, the filter advanced) and ``send`` gets the acknowledgments only once
@@ -287,8 +300,10 @@ class Cursor:
         before then loses nothing: the log resends. A re-acknowledgment (a batch of duplicates)
         waits likewise for every accepted record before it, since the filter it reports may be
         ahead of the disk. ``send`` may run on another thread; if a record's write fails it
-        never runs (the journal refuses writes from then on)."""
-        with self._judged(items) as (streams, records, trial):
+        never runs (the journal refuses writes from then on). ``source``: the announced log
+        identity and incarnation the batch came from (`announce_log`); a batch of an
+        incarnation fenced since raises `LogFencedError` and writes nothing."""
+        with self._judged(items, source) as (streams, records, trial):
             self._gate.enter_shared()
             try:
                 with self._lock:
@@ -301,7 +316,7 @@ class Cursor:
                     if records:
                         self.changed.notify_all()
                     ticket = self._last_accept
-                    acks = [self._filter.ack_for(stream) for stream in streams]
+                    acks = [self._filter.ack_for(s, e) for s, e in streams.items()]
             finally:
                 self._gate.exit_shared()
         if ticket is None or (ticket.done and ticket.error is None):
@@ -326,17 +341,18 @@ class Cursor:
 
     @contextmanager
     def _judged(
-        self, items: Sequence[tuple[Frame, Message]]
-    ) -> Iterator[tuple[list[str], list[tuple[dict[str, Any], Decision]], StreamFilter]]:
+        self, items: Sequence[tuple[Frame, Message]], source: tuple[str, int] | None = None
+    ) -> Iterator[tuple[dict[str, int], list[tuple[dict[str, Any], Decision]], StreamFilter]]:
         """Check every message, hold the locks of the batch's streams, judge the batch (`_trial`):
-        the streams, the accepted ones' ``M`` records and the trial filter, for as long as the
-        caller writes and adopts them."""
+        the streams (each with the epoch of its last frame, which its acknowledgment is judged
+        in), the accepted ones' ``M`` records and the trial filter, for as long as the caller
+        writes and adopts them."""
         self._check_batch(items)
-        streams = sorted({frame.stream for frame, _ in items})
+        streams = {frame.stream: frame.epoch for frame, _ in items}
         with ExitStack() as stack:
-            for stream in streams:
+            for stream in sorted(streams):
                 stack.enter_context(self._stream_lock(stream))
-            records, trial = self._trial(items, streams)
+            records, trial = self._trial(items, streams, source)
             yield streams, records, trial
 
     def _check_batch(self, items: Sequence[tuple[Frame, Message]]) -> None:
@@ -348,12 +364,19 @@ class Cursor:
             check_message(message)
 
     def _trial(
-        self, items: Sequence[tuple[Frame, Message]], streams: list[str]
+        self,
+        items: Sequence[tuple[Frame, Message]],
+        streams: dict[str, int],
+        source: tuple[str, int] | None,
     ) -> tuple[list[tuple[dict[str, Any], Decision]], StreamFilter]:
         """Under the streams' locks: judge the batch in arrival order on a copy of the filter;
-        the ``M`` records of the accepted ones, and the copy (its verdict counts)."""
+        the ``M`` records of the accepted ones, and the copy (its verdict counts). The fence is
+        checked under the same lock an announcement takes, so a batch is judged wholly before
+        or wholly after a newer incarnation of its log announced itself."""
         with self._lock:
-            trial = StreamFilter({s: self._filter.state(s) for s in streams})
+            if source is not None:
+                self._check_fence_locked(*source)
+            trial = self._filter.subset(streams)
         records: list[tuple[dict[str, Any], Decision]] = []
         ahead: Counter[str] = Counter()
         for frame, message in items:
@@ -363,7 +386,9 @@ class Cursor:
                 records.append((self._accept_record(message, decision, ahead), decision))
         return records, trial
 
-    def deliver_many(self, items: Sequence[tuple[Frame, Message]]) -> list[Ack]:
+    def deliver_many(
+        self, items: Sequence[tuple[Frame, Message]], *, source: tuple[str, int] | None = None
+    ) -> list[Ack]:
         """Judge a batch of frames in arrival order, persist every accepted message with its
         stream's filter state in one forced group of records (one fsync, and one journal queue
         entry, for the batch), then adopt; return one acknowledgment per stream touched. What a
@@ -372,14 +397,14 @@ class Cursor:
         Every message is checked (`check_message`) before a record is written, so an
         `InvalidMessageError` writes nothing. A record that fails to write leaves the batch
         unadopted and unacknowledged; the journal is then poisoned (nothing more is written),
-        so no later record can contradict it."""
-        with self._judged(items) as (streams, records, trial):
+        so no later record can contradict it. ``source`` as for `deliver_lazily`."""
+        with self._judged(items, source) as (streams, records, trial):
             if records:
                 self._persist_batch(records)
             with self._lock:
                 for verdict, n in trial.counts.items():
                     self._filter.counts[verdict] += n
-                acks = [self._filter.ack_for(stream) for stream in streams]
+                acks = [self._filter.ack_for(s, e) for s, e in streams.items()]
         self._filter_durable()
         self._compaction.maybe()
         return acks
@@ -454,11 +479,46 @@ class Cursor:
         with self._lock:
             return self._stream_locks.setdefault(stream, threading.RLock())
 
-    def ack_for(self, stream: str) -> Ack:
-        """Where ``stream`` stands, on disk."""
+    def ack_for(self, stream: str, log: str = "") -> Ack:
+        """Where ``stream`` stands, on disk: as sent by the log whose identity is ``log`` (""
+        for a log that announced none)."""
         self._filter_durable()
         with self._lock:
-            return self._filter.ack_for(stream)
+            return self._filter.ack_for(stream_key(log, stream))
+
+    # -- log identities (protocol version 2) ---------------------------------------------------
+
+    def announce_log(self, identity: str, incarnation: int) -> None:
+        """A transfer connection says which log, and which open of it, it carries. An older
+        incarnation than one announced before is refused (`LogFencedError`): another process
+        holds the same identity (a copied or restored directory). A newer one is kept (a lazy
+        ``L``: every ``M`` of this connection is written after it, so whatever of it is
+        durable, the ``L`` is too) and fences the older one's connections at their next batch."""
+        self._gate.enter_shared()  # a rollover never sees the record queued and not applied
+        try:
+            with self._lock:
+                self._check_fence_locked(identity, incarnation)
+                fresh = incarnation > self._state.logs.get(identity, 0)
+                if fresh:
+                    self._submit_locked({"k": "L", "s": identity, "n": incarnation}, False)
+        finally:
+            self._gate.exit_shared()
+        if fresh:
+            crash_point("xfer.cursor.after_announce")
+
+    def _check_fence_locked(self, identity: str, incarnation: int) -> None:
+        newest = self._state.logs.get(identity, 0)
+        if incarnation < newest:
+            raise LogFencedError(
+                f"log {identity} incarnation {incarnation} is fenced: incarnation {newest} of "
+                f"the same log identity announced itself since (two processes hold one log's "
+                f"directory, a copy or a restored backup); this one's messages are refused"
+            )
+
+    def log_incarnations(self) -> dict[str, int]:
+        """The newest incarnation announced per log identity."""
+        with self._lock:
+            return dict(self._state.logs)
 
     # -- the resource's verbs ------------------------------------------------------------------
 

@@ -23,6 +23,14 @@ Kinds (``k``):
 - ``F`` forget: ``g`` (lazy).
 - ``X`` expired: ``i`` the available messages dropped because their ``expires_at`` passed (lazy).
 - ``S`` a stream's filter state, carried by rollover: ``q``, ``e``, ``l`` last accepted.
+- ``q`` (in ``M`` and ``S``) is the stream's key: ``<log identity>|<stream>`` for a log that
+  announced its identity (protocol version 2), the bare stream for one that did not and in
+  journals written before identities. An ``M`` or ``S`` of a log's key in the epoch of the bare
+  key's state replaces it (the log claimed its history, `sequencing.claim`).
+- ``L`` a log's process announced itself on a transfer connection: ``s`` the log's identity,
+  ``n`` its incarnation; the newest incarnation per identity is kept, and connections of older
+  ones are refused (lazy: every ``M`` the announcing connection writes comes after it; carried
+  by rollover).
 - ``Q`` a message, carried by rollover: ``o`` the message, ``a`` its arrival order, ``c`` its
   delivery count, ``u`` its queue (its destination or ``<destination>.DLQ``), ``r`` reason or null;
   for a topic copy also ``y`` its key and ``h`` its subscription queue.
@@ -134,6 +142,7 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "Y": ("i",),
     "Z": ("i",),
     "G": ("i",),
+    "L": ("s", "n"),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
     "Q": ("y", "h"), "M": ("j", "p"), "H": ("p",), "P": ("p",), "C": ("p",),

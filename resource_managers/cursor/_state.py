@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resource_managers.message_log import TOPIC_PREFIX, TRANSACTIONAL_HEADER, Message
-from resource_managers.sequencing import StreamState
+from resource_managers.sequencing import StreamState, claim
 
 from ._records import DLQ_SUFFIX, message_obj, to_message
 
@@ -150,7 +150,10 @@ class CursorState:
     topic dispatch's input, in-doubt list and monitor queue."""
 
     def __init__(self) -> None:
+        #: stream key (`sequencing.stream_key`: ``<log>|<stream>``, or a bare stream) -> state
         self.filter: dict[str, StreamState] = {}
+        #: log identity -> the newest incarnation that announced it (``L``): older ones are fenced
+        self.logs: dict[str, int] = {}
         self.entries: dict[str, Entry] = {}
         self.available: dict[str, Fifo] = {}
         self.handed: dict[str, list[str]] = {}  # gid -> keys handed out, not prepared
@@ -204,6 +207,11 @@ class CursorState:
         new = StreamState(r["e"], r["l"])
         if (new.epoch, new.last) > (old.epoch, old.last):
             self.filter[r["q"]] = new
+            claim(self.filter, r["q"], new.epoch)
+
+    def _log_announced(self, r: dict[str, Any]) -> None:
+        """``L``: a log's process announced its incarnation; the newest one wins."""
+        self.logs[r["s"]] = max(self.logs.get(r["s"], 0), r["n"])
 
     def _handed_record(self, r: dict[str, Any]) -> None:
         self._hand_out(r["g"], r["i"], counted=r["c"] == 1)
@@ -320,6 +328,7 @@ class CursorState:
         if (r["e"], r["n"]) <= (old.epoch, old.last):
             return  # applied before
         self.filter[r["q"]] = StreamState(r["e"], r["n"])
+        claim(self.filter, r["q"], r["e"])
         message = to_message(r["o"])
         if message.message_id in self.entries:
             return
@@ -462,6 +471,7 @@ class CursorState:
         out: list[dict[str, Any]] = [
             {"k": "S", "q": q, "e": s.epoch, "l": s.last} for q, s in self.filter.items()
         ]
+        out += [{"k": "L", "s": log, "n": n} for log, n in self.logs.items()]
         out += [{"k": "T", "u": q, "v": False} for q in sorted(self.non_transactional)]
         out += [{"k": "U", "u": s.topic, "s": s.name}
                 for s in self.subscriptions.values() if s.durable]  # fmt: skip
@@ -492,5 +502,5 @@ _APPLY = {
     "P": "_prepare_record", "C": "_commit_record", "R": "_rollback_record", "F": "_forget",
     "X": "_expired_dropped", "W": "_expired_moved", "T": "_queue_kind", "U": "_subscribed",
     "V": "_unsubscribed", "I": "_taken", "K": "_copied", "N": "_monitored", "E": "_finished",
-    "Y": "_replayed", "Z": "_purged", "G": "_given_back",
+    "Y": "_replayed", "Z": "_purged", "G": "_given_back", "L": "_log_announced",
 }  # fmt: skip

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,8 +150,14 @@ class MessageLog:
         self._state.apply(decode(payload))
 
     def _open(self) -> None:
+        """The forced ``O`` record: this open's incarnation, and the log's identity, chosen
+        here once (a uuid4) when the journal has none — a new directory, or one written before
+        identities. Nothing is sent before it is durable, so a crash before then leaves no
+        trace of the identity, and the next open chooses again."""
         incarnation = max(self._state.incarnation + 1, self._clock())
-        self._append([{"k": "O", "n": incarnation}], force=True)
+        identity = self._state.identity or uuid.uuid4().hex
+        self._append([{"k": "O", "n": incarnation, "i": identity}], force=True)
+        crash_point("mlog.after_open")
         for messages in self._state.prepared.values():
             self._hold(messages, +1)
         self._compaction.maybe()
@@ -354,6 +361,19 @@ class MessageLog:
             return sorted({*self._state.prepared, *self._volatile_prepared, *self._settling})
 
     # -- the reader's side ---------------------------------------------------------------------
+
+    @property
+    def identity(self) -> str:
+        """This log's durable identity: chosen once (a uuid4's hex) by the first open of its
+        directory and kept in its journal; a cursor keeps this log's streams under it."""
+        identity = self._state.identity
+        assert identity is not None  # written by `_open`
+        return identity
+
+    @property
+    def incarnation(self) -> int:
+        """This open's incarnation (its ``O`` record): above every earlier open's."""
+        return self._state.incarnation
 
     def streams(self) -> dict[str, int]:
         """Every stream with its epoch."""

@@ -7,7 +7,9 @@ it is reported as `LogCorruptionError`.
 
 Kinds (``k``):
 
-- ``O`` open: ``n`` the incarnation number chosen at this open (forced; see ``_state``).
+- ``O`` open: ``n`` the incarnation number chosen at this open (forced; see ``_state``); ``i``
+  the log's durable identity (optional: journals written before identities have none, and the
+  first open that finds none chooses one and writes it here, in the same forced record).
 - ``P`` prepare: ``g`` gid, ``m`` the persistent messages (forced).
 - ``C`` commit: ``g`` gid, ``s`` one ``[stream, seq]`` per message of its ``P``, in order (forced).
 - ``1`` one-phase commit: ``g``, ``m`` and ``s`` together, in one forced write.
@@ -24,11 +26,15 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.errors import LogCorruptionError
 
+#: a log's durable identity: what a cursor keeps its streams under (`MessageLog.identity`);
+#: never ``|``, which joins it to a stream name in the cursor's stream keys
+LOG_IDENTITY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,39}")
 #: the suffix of a destination's non-persistent stream (never a valid destination character)
 VOLATILE_SUFFIX = "#np"
 #: a destination starting with this is a topic (publish/subscribe, seed 003); a topic's name has
@@ -148,6 +154,8 @@ def decode(payload: bytes) -> dict[str, Any]:
         kind = obj["k"]
         for key in _SCHEMA[kind]:
             _CHECKS[key](obj[key])
+        if kind == "O" and "i" in obj:
+            _identity(obj["i"])
         return obj
     except (ValueError, KeyError, TypeError, binascii.Error) as exc:
         raise LogCorruptionError(
@@ -185,6 +193,11 @@ def _str(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{value!r} is not a string")
     return value
+
+
+def _identity(value: object) -> None:
+    if not isinstance(value, str) or not LOG_IDENTITY.fullmatch(value):
+        raise TypeError(f"{value!r} is not a log identity")
 
 
 def _int(value: object) -> None:

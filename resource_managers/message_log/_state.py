@@ -57,6 +57,8 @@ class LogState:
 
     def __init__(self) -> None:
         self.incarnation = 0
+        #: the log's durable identity (``O``'s ``i``); None in a journal written before identities
+        self.identity: str | None = None
         self.prepared: dict[str, list[Message]] = {}
         self.streams: dict[str, Stream] = {}
         self.tombstones: dict[str, int] = {}  # gid -> wall-clock ms of the rollback
@@ -72,6 +74,8 @@ class LogState:
         kind = r["k"]
         if kind == "O":
             self.incarnation = max(self.incarnation, r["n"])
+            if self.identity is None:  # chosen once: every later ``O`` repeats it
+                self.identity = r.get("i")
         elif kind == "P":
             if r["g"] not in self.committed and r["g"] not in self.tombstones:
                 self.prepared[r["g"]] = [to_message(m) for m in r["m"]]
@@ -124,7 +128,10 @@ class LogState:
     def live_records(self, now_ms: int, tombstone_ms: int) -> list[dict[str, Any]]:
         """What a rollover carries: the incarnation, streams and their messages, prepared
         branches, and tombstones younger than ``tombstone_ms``."""
-        out: list[dict[str, Any]] = [{"k": "O", "n": self.incarnation}]
+        opened: dict[str, Any] = {"k": "O", "n": self.incarnation}
+        if self.identity is not None:
+            opened["i"] = self.identity
+        out: list[dict[str, Any]] = [opened]
         for s in self.streams.values():
             if s.name.endswith(VOLATILE_SUFFIX):
                 continue

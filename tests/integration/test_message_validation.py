@@ -14,7 +14,7 @@ import pytest
 from coordinator import LogWriteError, MemoryDecisionLog, TransactionManager, Xid
 from messaging.auth import SharedSecret
 from messaging.connection import Connection, Listener, connect
-from messaging.frames import Ack, ErrorFrame, FrameType, Msg, Nack, Ping, XaReply, XaRequest
+from messaging.frames import Ack, ErrorFrame, FrameType, Msg, Nack, Origin, Ping, XaReply, XaRequest
 from messaging.remote import PRODUCER_ROLE
 from messaging.remote.protocol import message_from_value, message_to_value
 from messaging.server import CursorServer, LogServer
@@ -56,6 +56,7 @@ def test_a_transfer_frame_no_log_could_write_is_refused_and_the_cursor_restarts(
     caplog.set_level(logging.INFO)
     with CursorServer(tmp_path / "c", SECRET, listen=("127.0.0.1", 0)) as server:
         with connect(server.address, SECRET, "log", TRANSFER_ROLE, timeout=5) as conn:
+            conn.send(Origin("log-1", 1))  # version 2: which log this is, first
             conn.send(Msg("ok", 7, 1, 0, "a", "ok", b"before"))
             assert conn.recv(timeout=5) == Ack("ok", 7, 1)
             conn.send(Msg(destination, 7, 1, 0, "m", destination, b"p", headers))
@@ -67,12 +68,12 @@ def test_a_transfer_frame_no_log_could_write_is_refused_and_the_cursor_restarts(
             conn.send(Msg("ok", 7, 2, 1, "b", "ok", b"after"))  # the connection goes on
             assert conn.recv(timeout=5) == Ack("ok", 7, 2)
         # a refused number does not move the filter: the same number is still to come
-        assert server.cursor.ack_for(destination).seq == 0
+        assert server.cursor.ack_for(destination, "log-1").seq == 0
         assert server.internal_errors == 0
         assert server.receiver.stats["refused"] == 1
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     with Cursor(tmp_path / "c") as cursor:  # the journal replays: nothing of it was written
-        assert cursor.ack_for(destination).seq == 0
+        assert cursor.ack_for(destination, "log-1").seq == 0
         got = cursor.take_many("g", "ok", 10)
         assert [d.body for d in got] == [b"before", b"after"]
 

@@ -32,6 +32,7 @@ from messaging.server import CursorServer, LogServer
 KEY = b"stranger's shared secret, 36 bytes!"
 TYPES = {
     **{"HELLO": 1, "AUTH": 2, "WELCOME": 3, "ERROR": 4, "PING": 5, "PONG": 6},
+    **{"MSG": 16, "ACK": 17, "NACK": 18, "ORIGIN": 19},
     **{"XA_START": 32, "XA_PREPARE": 33, "XA_COMMIT": 34, "XA_RECOVER": 36, "XA_REPLY": 47},
 }
 NAMES = {number: name for name, number in TYPES.items()}
@@ -110,12 +111,18 @@ def dec(data: bytes, pos: int = 0) -> tuple[Any, int]:
 
 
 class Wire:
-    def __init__(self, address: tuple[str, int]) -> None:
+    """``version``: the highest version this client speaks (section 1); the handshake's frames
+    carry 1, every frame after WELCOME the version AUTH chose (section 2)."""
+
+    def __init__(self, address: tuple[str, int], version: int = 1) -> None:
         self.sock = socket.create_connection(address, timeout=10)
+        self.speaks = version
+        self.version = 1  # in the handshake
 
     def send(self, name: str, fields: dict[str, Any]) -> None:
         payload = enc(fields)
-        head = b"TPCM" + bytes([1, TYPES[name]]) + b"\x00\x00" + struct.pack(">I", len(payload))
+        head = b"TPCM" + bytes([self.version, TYPES[name]]) + b"\x00\x00"
+        head += struct.pack(">I", len(payload))
         crc = zlib.crc32(head + payload)
         self.sock.sendall(head + struct.pack(">I", crc) + payload)
 
@@ -131,7 +138,7 @@ class Wire:
     def recv(self) -> tuple[str, dict[str, Any]]:
         head = self.exactly(16)
         magic, version, ftype, flags, length, crc = struct.unpack(">4sBBHII", head)
-        assert (magic, version, flags) == (b"TPCM", 1, 0)
+        assert (magic, version, flags) == (b"TPCM", self.version, 0)
         payload = self.exactly(length)
         assert zlib.crc32(head[:12] + payload) == crc
         fields, end = dec(payload)
@@ -144,11 +151,12 @@ class Wire:
         name, hello = self.recv()
         assert name == "HELLO" and len(hello["nonce"]) == 32
         versions = hello.get("versions", [1])
-        auth = {"client_id": "stranger", "nonce": os.urandom(32), "role": role, "version": 1}
+        chosen = max(v for v in versions if v <= self.speaks)
+        auth = {"client_id": "stranger", "nonce": os.urandom(32), "role": role, "version": chosen}
         transcript = {"side": "twopc-auth-client", "server_nonce": hello["nonce"],
                       "server_id": hello["server_id"], "versions": versions,
                       "client_nonce": auth["nonce"], "client_id": "stranger", "role": role,
-                      "version": 1}  # fmt: skip
+                      "version": chosen}  # fmt: skip
         proof = hmac.new(KEY, enc(transcript), hashlib.sha256).digest()
         self.send("AUTH", {**auth, "proof": proof})
         name, welcome = self.recv()
@@ -156,6 +164,7 @@ class Wire:
             transcript["side"] = "twopc-auth-server"
             expected = hmac.new(KEY, enc(transcript), hashlib.sha256).digest()
             assert hmac.compare_digest(welcome["proof"], expected)
+            self.version = chosen
         return name, welcome
 
     def ask(self, verb: str, request_id: int, xid: list[Any] | None, args: dict[str, Any]) -> Any:
@@ -237,6 +246,28 @@ def test_handshake_refusals_get_their_documented_codes(
     refused = Wire(cursor.address)
     refused.recv()
     refused.send("AUTH", {"client_id": "stranger", "nonce": bytes(32), "role": "consumer",
-                          "version": 2, "proof": bytes(32)})  # fmt: skip
+                          "version": 3, "proof": bytes(32)})  # fmt: skip
     name, error = refused.recv()
     assert (name, error["code"]) == ("ERROR", "unsupported-version")
+
+
+def test_a_stranger_log_speaks_version_2_to_the_cursor(
+    servers: tuple[LogServer, CursorServer],
+) -> None:
+    """Sections 1, 2 and 7 in version 2: HELLO lists [1, 2]; the transfer begins with ORIGIN;
+    each log's stream is its own at the cursor, and an older incarnation is fenced."""
+    _, cursor = servers
+    for log_id, body in (("stranger-a", b"from a"), ("stranger-b", b"from b")):
+        wire = Wire(cursor.address, version=2)
+        assert wire.handshake("transfer")[0] == "WELCOME" and wire.version == 2
+        wire.send("ORIGIN", {"log": log_id, "incarnation": 5})
+        msg = {"stream": "strange", "epoch": 3, "seq": 1, "prev": 0, "message_id": log_id,
+               "destination": "strange", "body": body}  # fmt: skip
+        wire.send("MSG", msg)  # the same stream, epoch and number from both logs: both taken
+        assert wire.recv() == ("ACK", {"stream": "strange", "epoch": 3, "seq": 1})
+    assert [d.body for d in cursor.cursor.available("strange")] == [b"from a", b"from b"]
+    older = Wire(cursor.address, version=2)
+    older.handshake("transfer")
+    older.send("ORIGIN", {"log": "stranger-a", "incarnation": 4})
+    name, error = older.recv()
+    assert (name, error["code"]) == ("ERROR", "log-fenced")

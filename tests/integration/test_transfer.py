@@ -25,6 +25,7 @@ from messaging.frames import (
     FrameReader,
     Msg,
     Nack,
+    Origin,
     Ping,
     encode,
 )
@@ -58,6 +59,10 @@ def listener(cursor: Cursor) -> Iterator[Listener]:
 
 def dialer(address: tuple[str, int]) -> Callable[[], Connection]:
     return lambda: connect(address, SECRET, "log", TRANSFER_ROLE, timeout=2.0)
+
+
+#: what a log of protocol version 2 sends first on a transfer (a made-up identity)
+ORIGIN = Origin("test-log", 1)
 
 
 def fast() -> DoublingBackoff:
@@ -102,7 +107,8 @@ def test_messages_arrive_once_in_order_and_the_log_compacts(
         assert bodies(cursor, f"d{d}") == expected
     assert mlog.stats().pending == 0
     assert xfer.stats["acknowledged"] == 300
-    assert cursor.filter_state()["streams"]["d0"]["last"] == 100
+    assert cursor.filter_state()["streams"][f"{mlog.identity}|d0"]["last"] == 100  # its own
+    assert cursor.ack_for("d0", mlog.identity).seq == 100 and cursor.ack_for("d0").seq == 0
 
 
 def test_the_log_resends_until_the_cursor_comes_back(tmp_path: Path, mlog: MessageLog) -> None:
@@ -153,6 +159,7 @@ def test_duplicates_and_gaps_are_dropped_and_reacknowledged(
         return Msg("q", 5, seq, prev, f"m{seq}", "q", body)
 
     with connect(listener.address, SECRET, "log", TRANSFER_ROLE) as conn:
+        conn.send(ORIGIN)  # version 2: the log says who it is first
         acks = []
         for frame in (msg(1, 0, b"a"), msg(1, 0, b"a"), msg(3, 2, b"c"), msg(2, 1, b"b")):
             conn.send(frame)
@@ -169,6 +176,8 @@ def test_stray_and_stale_acknowledgments_are_counted_and_ignored(mlog: MessageLo
     """A cursor that answers nonsense before the truth: the log compacts only on the truth."""
 
     def liar(conn: Connection) -> None:
+        frame = conn.recv(timeout=5)
+        assert isinstance(frame, Origin) and frame.log == mlog.identity  # version 2: who sends
         frame = conn.recv(timeout=5)
         assert isinstance(frame, Msg)
         conn.send_many([
@@ -231,6 +240,7 @@ def closed_after(sock: socket.socket) -> list[object]:
 
 def still_serves(listener: Listener, cursor: Cursor) -> None:
     with connect(listener.address, SECRET, "log", TRANSFER_ROLE) as conn:
+        conn.send(ORIGIN)  # version 2: the log says who it is first
         conn.send(Ping(9))
         assert conn.recv(timeout=5) is not None
 
@@ -273,6 +283,7 @@ def test_a_corrupted_frame_after_authentication_closes_the_connection_and_loses_
     sock.close()
     assert bodies(cursor, "q") == []
     with connect(listener.address, SECRET, "log", TRANSFER_ROLE) as conn:
+        conn.send(ORIGIN)  # version 2: the log says who it is first
         conn.send(Msg("q", 1, 1, 0, "m1", "q", b"payload"))
         assert conn.recv(timeout=5) == Ack("q", 1, 1)
     assert bodies(cursor, "q") == [b"payload"]
@@ -283,6 +294,7 @@ def test_a_message_no_log_could_write_is_refused_with_a_nack(
     listener: Listener, cursor: Cursor
 ) -> None:
     with connect(listener.address, SECRET, "log", TRANSFER_ROLE) as conn:
+        conn.send(ORIGIN)  # version 2: the log says who it is first
         conn.send(Msg("#bad", 1, 1, 0, "m1", "#bad", b"x"))
         nack = conn.recv(timeout=5)
         assert isinstance(nack, Nack) and nack.reason == "invalid-message"
@@ -301,6 +313,7 @@ def test_an_oversized_frame_is_refused_by_the_sender_before_any_byte_goes(
     listener: Listener,
 ) -> None:
     with connect(listener.address, SECRET, "log", TRANSFER_ROLE, max_frame=1024) as conn:
+        conn.send(ORIGIN)  # version 2: the log says who it is first
         with pytest.raises(ProgrammingError, match=r"max|exceed|large"):
             conn.send(Msg("q", 1, 1, 0, "m1", "q", b"x" * 2048))
         conn.send(Ping(1))

@@ -205,6 +205,18 @@ def raw_frame(
     return bytes(head) + payload
 
 
+def restamp(frame: bytes, version: int) -> bytes:
+    """A frame built for the handshake's version as a connection of ``version`` sends it: the
+    header's version byte and the CRC; a frame whose version was damaged on purpose is kept."""
+    if len(frame) < HEADER.size or frame[4] != PROTOCOL_VERSION or version == PROTOCOL_VERSION:
+        return frame
+    head = bytearray(frame[: HEADER.size])
+    head[4] = version
+    payload = frame[HEADER.size :]
+    struct.pack_into(">I", head, 12, zlib.crc32(payload, zlib.crc32(bytes(head[:12]))))
+    return bytes(head) + payload
+
+
 def mutate(d: Draw, ftype: int, payload: bytes) -> bytes:
     """Raw-byte damage behind a recomputed CRC, or a header field changed."""
     data = bytearray(payload)
@@ -223,9 +235,9 @@ def mutate(d: Draw, ftype: int, payload: bytes) -> bytes:
     elif how == 5:
         data += d.raw(3) or b"\x00"
     elif how == 6:
-        return raw_frame(d.choice((0, 7, 15, 19, 31, 38, 46, 48, 255, ftype)), bytes(data))
-    else:
-        return raw_frame(ftype, bytes(data), version=d.choice((0, 2, 255)), flags=d.choice((0, 1)))
+        return raw_frame(d.choice((0, 7, 15, 20, 31, 38, 46, 48, 255, ftype)), bytes(data))
+    else:  # a version no connection speaks (versions 1 and 2 exist)
+        return raw_frame(ftype, bytes(data), version=d.choice((0, 3, 255)), flags=d.choice((0, 1)))
     return raw_frame(ftype, bytes(data))
 
 

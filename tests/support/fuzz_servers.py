@@ -37,12 +37,14 @@ from messaging.frames import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    ORIGIN_VERSION,
     Ack,
     ErrorFrame,
     FrameReader,
     FrameType,
     Hello,
     Nack,
+    Origin,
     Ping,
     Pong,
     Value,
@@ -54,7 +56,18 @@ from messaging.frames import (
 )
 from messaging.remote import RemoteCursor, RemoteMessageLog
 
-from .fuzz_frames import ROLES, Draw, State, any_frame, build, mutate, number, raw_frame, text
+from .fuzz_frames import (
+    ROLES,
+    Draw,
+    State,
+    any_frame,
+    build,
+    mutate,
+    number,
+    raw_frame,
+    restamp,
+    text,
+)
 from .msg_cluster import SECRET, SERVE, Proc, free_port
 
 #: an answer that is a defect whatever the frame was
@@ -194,13 +207,16 @@ def authenticated(
 ) -> None:
     conn = connect(address, secret, "fuzzer", role, timeout=SESSION_TIMEOUT)
     with conn:
-        sent = [ROLES[role].frame(d, state) for _ in range(frames)]
+        version = conn.version  # every frame after the handshake carries it
+        sent = [restamp(ROLES[role].frame(d, state), version) for _ in range(frames)]
+        if role == "transfer" and version >= ORIGIN_VERSION:  # one log: the fuzzer's own
+            sent.insert(0, encode(Origin("fuzzer", 1), version=version))
         token = secrets.randbits(63) + 2**63  # fuzzed pings never use this range
-        tail, close_after = encode(Ping(token)), False
+        tail, close_after = encode(Ping(token), version=version), False
         if d.chance(0.02):  # a frame cut short, then our end closed: the server reads EOF in it
             tail, close_after = sent.pop()[: d.integer(1, 20)], True
         elif d.chance(0.02):  # a header claiming 2 GiB: refused before a payload byte is read
-            tail, close_after = HEADER.pack(MAGIC, 1, int(FrameType.MSG), 0, 2**31, 0), True
+            tail, close_after = HEADER.pack(MAGIC, version, int(FrameType.MSG), 0, 2**31, 0), True
         tally.frames += len(sent) + 1
         tally.sessions += 1
         data = b"".join(sent) + tail

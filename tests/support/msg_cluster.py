@@ -12,6 +12,7 @@ order kept, nothing left in flight anywhere.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,15 +101,25 @@ class Cluster:
 
     def __init__(
         self, workdir: Path, pg_url: str, *, proxy: Any = None, consumer_proxy: Any = None,
-        consumer_tx_timeout: float = 30.0, llr: bool = False,
+        consumer_tx_timeout: float = 30.0, llr: bool = False, logs: int = 1, cursors: int = 1,
+        routes: tuple[tuple[str, int], ...] = (),
     ) -> None:  # fmt: skip
         """``proxy``: a `FaultProxy` between the log and the cursor; ``consumer_proxy``: one
         between the consumers and the cursor (both forward to ``cursor_port``); ``llr``: the
-        producers' and consumers' PostgreSQL is their logging last resource."""
+        producers' and consumers' PostgreSQL is their logging last resource; ``logs``: how many
+        log servers (``log``, ``log1``, ``log2``...: each its own directory and port) send to the
+        cursor; ``cursors``: how many cursor servers (``cursor``, ``cursor1``...), the first the
+        logs' default route; ``routes``: (destination glob, cursor number) of every log's
+        ``--route``."""
         self.llr = ["--llr"] if llr else []
         self.workdir = workdir
         self.pg_url = pg_url
-        self.log_port, self.cursor_port = free_port(), free_port()
+        self.log_names = ["log", *(f"log{i}" for i in range(1, logs))]
+        self.log_ports = [free_port() for _ in self.log_names]
+        self.cursor_names = ["cursor", *(f"cursor{i}" for i in range(1, cursors))]
+        self.cursor_ports = [free_port() for _ in self.cursor_names]
+        self.log_port, self.cursor_port = self.log_ports[0], self.cursor_ports[0]
+        self.routes = routes
         self.proxy = proxy
         self.consumer_proxy = consumer_proxy
         self.consumer_tx_timeout = consumer_tx_timeout
@@ -137,21 +149,38 @@ class Cluster:
         proc.start()
         return proc
 
-    def start_servers(self, crash_log: str | None = None, crash_cursor: str | None = None) -> None:
+    def start_servers(
+        self, crash_log: str | None = None, crash_cursor: str | None = None,
+        crash_servers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        """``crash_log`` arms the first log server, ``crash_cursor`` the first cursor server,
+        ``crash_servers`` any server by name (``log1``, ``cursor1``...)."""
         py = sys.executable
-        self.add("cursor", [py, "-c", SERVE, "serve", "cursor",
-                            "--dir", str(self.workdir / "cursor"),
-                            "--listen", f"127.0.0.1:{self.cursor_port}"], crash_cursor)  # fmt: skip
-        self.add("log", [py, "-c", SERVE, "serve", "log", "--dir", str(self.workdir / "log"),
-                         "--listen", f"127.0.0.1:{self.log_port}",
-                         "--cursor", self.cursor_address_for_log], crash_log)  # fmt: skip
-        for name in ("cursor", "log"):
+        crash_servers = dict(crash_servers or {})
+        if crash_log:
+            crash_servers["log"] = crash_log
+        for name, port in zip(self.cursor_names, self.cursor_ports, strict=True):
+            self.add(name, [py, "-c", SERVE, "serve", "cursor",
+                            "--dir", str(self.workdir / name),
+                            "--listen", f"127.0.0.1:{port}"],
+                     crash_cursor if name == "cursor" else crash_servers.get(name))  # fmt: skip
+        routes = [a for glob, i in self.routes
+                  for a in ("--route", f"{glob}=127.0.0.1:{self.cursor_ports[i]}")]  # fmt: skip
+        for name, port in zip(self.log_names, self.log_ports, strict=True):
+            self.add(name, [py, "-c", SERVE, "serve", "log", "--dir", str(self.workdir / name),
+                            "--listen", f"127.0.0.1:{port}",
+                            "--cursor", self.cursor_address_for_log, *routes],
+                     crash_servers.get(name))  # fmt: skip
+        self._supervisor.start()  # before waiting: a server killed while it starts is restarted
+        for name in (*self.cursor_names, *self.log_names):
             self.wait_for(name, "listening on", 30)
-        self._supervisor.start()
 
     def add_producer(self, pid: str, *, txs: int, per_tx: int, rollback_every: int,
-                     crash_at: str | None = None, destination: str = "orders") -> Proc:  # fmt: skip
-        argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{self.log_port}",
+                     crash_at: str | None = None, destination: str = "orders",
+                     log: int = 0) -> Proc:  # fmt: skip
+        """A producer sending through log server number ``log``."""
+        port = self.log_ports[log]
+        argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{port}",
                 "--pg", self.pg_url, "--id", pid, "--state", str(self.workdir / f"p-{pid}"),
                 "--txs", str(txs), "--per-tx", str(per_tx),
                 "--rollback-every", str(rollback_every), "--destination", destination,
@@ -159,8 +188,9 @@ class Cluster:
         return self.add(f"producer-{pid}", argv, crash_at, done="DONE")
 
     def add_consumer(self, cid: str, *, batch: int = 1, crash_at: str | None = None,
-                     destination: str = "orders") -> Proc:  # fmt: skip
-        host, port = ("127.0.0.1", self.cursor_port)
+                     destination: str = "orders", cursor: int = 0) -> Proc:  # fmt: skip
+        """A consumer receiving from cursor server number ``cursor``."""
+        host, port = ("127.0.0.1", self.cursor_ports[cursor])
         if self.consumer_proxy is not None:
             host, port = self.consumer_proxy.address
         argv = [sys.executable, str(WORKER), "consume", "--cursor", f"{host}:{port}",
@@ -210,6 +240,33 @@ class Cluster:
         while not all(p.finished for p in consumers):
             self._deadline(deadline, "consumers to finish")
 
+    def run_killing_at_random(
+        self, names: Sequence[str], seed_variable: str, *, kills: int = 8, timeout: float = 200.0
+    ) -> None:
+        """`run_to_completion` while a thread SIGKILLs one of the processes ``names`` every
+        0.3-1.5 s, ``kills`` times (the supervisor restarts them). The choices are seeded: the
+        seed is printed, and the environment variable ``seed_variable`` replays it."""
+        seed = int(os.environ.get(seed_variable, random.randrange(2**32)))
+        print(f"seed: {seed} ({seed_variable} replays it)")
+        rng = random.Random(seed)
+        stop = threading.Event()
+
+        def killer() -> None:
+            for _ in range(kills):
+                if stop.wait(rng.uniform(0.3, 1.5)):
+                    return
+                popen = self.procs[rng.choice(list(names))].popen
+                if popen is not None and popen.poll() is None:
+                    popen.kill()
+
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        try:
+            self.run_to_completion(timeout=timeout)
+        finally:
+            stop.set()
+            thread.join()
+
     def _deadline(self, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:
             dump = "\n".join(f"--- {n} ---\n{p.text()[-3000:]}" for n, p in self.procs.items())
@@ -248,6 +305,7 @@ class Cluster:
             "phantom": len(set(counts) - set(produced)),
             "pg_prepared": prepared,
             "kills": {n: p.kills for n, p in self.procs.items() if p.kills},
+            "by_producer": dict(Counter(producer for producer, _, _ in produced.values())),
         }
         if ordered:
             last: dict[str, tuple[int, int]] = {}
@@ -258,14 +316,19 @@ class Cluster:
                     disorder += 1
                 last[producer] = (tx, j)
             report["out_of_order"] = disorder
-        with MessageLog(self.workdir / "log") as mlog:
-            stats = mlog.stats()
-            report["log_pending"], report["log_prepared"] = stats.pending, stats.prepared
-        with Cursor(self.workdir / "cursor") as cursor:
-            cstats = cursor.stats()
-            report["cursor_available"] = cstats.available
-            report["cursor_in_flight"] = cstats.in_flight
-            report["cursor_prepared"] = cstats.prepared
+        report["log_pending"] = report["log_prepared"] = 0
+        for name in self.log_names:
+            with MessageLog(self.workdir / name) as mlog:
+                stats = mlog.stats()
+                report["log_pending"] += stats.pending
+                report["log_prepared"] += stats.prepared
+        report["cursor_available"] = report["cursor_in_flight"] = report["cursor_prepared"] = 0
+        for name in self.cursor_names:
+            with Cursor(self.workdir / name) as cursor:
+                cstats = cursor.stats()
+                report["cursor_available"] += cstats.available
+                report["cursor_in_flight"] += cstats.in_flight
+                report["cursor_prepared"] += cstats.prepared
         return report
 
 

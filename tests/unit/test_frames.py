@@ -43,6 +43,7 @@ from messaging.frames import (
     Hello,
     Msg,
     Nack,
+    Origin,
     Ping,
     Pong,
     Value,
@@ -76,6 +77,7 @@ EXAMPLES: list[Frame] = [
     Msg("log-1:orders", 3, 42, 41, "m-42", "orders", b"payload"),
     Ack("log-1:orders", 3, 42),
     Nack("log-1:orders", 3, 43, "full", "destination holds 10000 messages"),
+    Origin("3f2a9c0e5b7d4e1f8a6c2b9d0e4f7a1c", 1_764_000_000_000),
     XaRequest(FrameType.XA_START, 1, XID),
     XaRequest(FrameType.XA_PREPARE, 2, XID),
     XaRequest(FrameType.XA_COMMIT, 3, XID, {"one_phase": True}),
@@ -364,7 +366,7 @@ BAD_FRAMES = {
     "http": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "magic"),
     "magic": (raw_frame(PING, b"\x09\x00", magic=b"TPCX"), "magic"),
     "version-0": (raw_frame(PING, b"\x09\x00", version=0), "version"),
-    "version-2": (raw_frame(PING, b"\x09\x00", version=2), "version"),
+    "version-3": (raw_frame(PING, b"\x09\x00", version=3), "version"),
     "flags": (raw_frame(PING, b"\x09\x00", flags=0x8000), "flags"),
     "unknown-type": (raw_frame(99, b"\x09\x00"), "type"),
     "type-zero": (raw_frame(0, b"\x09\x00"), "type"),
@@ -430,7 +432,7 @@ def test_frame_errors_carry_expected_and_got_and_pickle() -> None:
     with pytest.raises(FrameError) as caught:
         decode(raw_frame(PING, b"", version=9))
     error = caught.value
-    assert (error.what, error.expected, error.got) == ("version", [1], 9)  # type: ignore[attr-defined]
+    assert (error.what, error.expected, error.got) == ("version", [1, 2], 9)  # type: ignore[attr-defined]
     assert "unsupported protocol version" in str(error) and str(error).startswith("[bad-frame]")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.__dict__ == error.__dict__ and str(copy) == str(error)

@@ -16,6 +16,7 @@ import pytest
 from coordinator.backoff import ExponentialBackoff
 from coordinator.errors import FrameError, IllegalStateError
 from resource_managers.sequencing import (
+    MAX_KEY_CHARS,
     MAX_NUMBER,
     Ack,
     AckVerdict,
@@ -26,6 +27,8 @@ from resource_managers.sequencing import (
     StreamState,
     Verdict,
     classify,
+    split_key,
+    stream_key,
 )
 
 S = "orders"
@@ -72,7 +75,7 @@ def take(flt: StreamFilter, f: Frame) -> Verdict:
         {"epoch": True},
         {"seq": MAX_NUMBER + 1},
         {"stream": ""},
-        {"stream": "x" * 256},
+        {"stream": "x" * (MAX_KEY_CHARS + 1)},  # a log's identity, "|" and 255 characters
         {"message_id": ""},
     ],
 )
@@ -474,6 +477,37 @@ def test_streams_are_filtered_independently() -> None:
     assert take(flt, frame(2, 1, stream="a")) is Verdict.ACCEPT
     assert flt.ack_for("a") == Ack("a", 1, 2)
     assert flt.ack_for("b") == Ack("b", 1, 1)
+
+
+def test_two_logs_on_one_stream_are_judged_each_in_its_own_numbers() -> None:
+    """Issue 15 (a stream per log and destination): two logs number the same destination 1, 2,
+    3 in their own epochs; keyed by log, neither fences nor duplicates the other."""
+    flt = StreamFilter()
+    a, b = stream_key("log-a", S), stream_key("log-b", S)
+    for seq in (1, 2, 3):
+        assert take(flt, frame(seq, seq - 1, epoch=5, stream=a)).accepts
+        assert take(flt, frame(seq, seq - 1, epoch=9, stream=b)).accepts
+    assert take(flt, frame(2, 1, epoch=5, stream=a)) is Verdict.DUPLICATE
+    assert flt.state(a) == StreamState(5, 3) and flt.state(b) == StreamState(9, 3)
+    assert flt.state(S) == StreamState()  # the bare stream: nobody's
+    assert split_key(a) == ("log-a", S) and split_key(S) == ("", S)
+
+
+def test_a_log_claims_the_bare_streams_state_of_its_own_epoch_only() -> None:
+    """Issue 15 (existing journals keep working): state kept before identities is the bare
+    stream's; the log whose epoch it is picks up exactly there (its acked-but-unacknowledged
+    messages are duplicates, not new), and the bare state is gone once the log's own is adopted.
+    Another log (another epoch) starts afresh and leaves it alone."""
+    flt = StreamFilter({S: StreamState(7, 3)})
+    other = stream_key("log-b", S)
+    assert take(flt, frame(1, 0, epoch=8, stream=other)) is Verdict.NEW_EPOCH
+    assert flt.state(S) == StreamState(7, 3)
+    mine = stream_key("log-a", S)
+    assert take(flt, frame(2, 0, epoch=7, stream=mine)) is Verdict.DUPLICATE  # taken before
+    assert flt.ack_for(mine, 7) == Ack(mine, 7, 3)
+    assert take(flt, frame(4, 3, epoch=7, stream=mine)) is Verdict.ACCEPT
+    assert flt.state(mine) == StreamState(7, 4) and S not in flt.to_dict()["streams"]
+    assert flt.subset([mine]).to_dict()["streams"] == {mine: {"epoch": 7, "last": 4}}
 
 
 def test_the_filter_state_is_one_small_entry_per_stream_and_round_trips() -> None:
