@@ -1,21 +1,22 @@
 """Exactly-once, in-order transfer as pure code: the numbers a message log puts on each message and
-the filter a cursor applies to them (MSMQ's exactly-once in-order delivery, seed 004, carried by
-the at-least-once transfer protocol of seed 000). No I/O: the caller owns sockets, clocks, journals.
+the filter a cursor applies to them (MSMQ's exactly-once in-order delivery, carried by the
+at-least-once transfer protocol of US patent 8,200,836). No I/O: the caller owns sockets, clocks,
+journals.
 
 Sender, per (stream, epoch), `StreamSender`:
 
 - Commit gives each message the next sequence number, 1, 2, 3, ... in commit order, never changed.
 - Its previous number is the number of the message before it *still in the sender's queue* (the
   committed messages neither acknowledged nor expired), or 0 when it is first in the queue. That
-  one rule is the seed's four: link each message to the previous one; 0 when there is none; an
+  one rule is MSMQ's four: link each message to the previous one; 0 when there is none; an
   expired message "is removed from the message stream, and the next message is linked to the
   message preceding the removed message"; "the sender must assign the first message in the queue a
   previous number of zero". It is computed at each transmission, so a resend may carry another
-  previous number than the first send did (the seed forbids changing only the sequence number).
+  previous number than the first send did (MSMQ forbids changing only the sequence number).
 - Why it is safe: every message strictly between a frame's previous and sequence numbers was
   acknowledged (the receiver has it) or expired (it may be skipped), so accepting the frame never
   skips a live message. The queue head's 0 also lets a receiver that lost its state take up the
-  stream again, as the seed intends, instead of waiting for numbers the sender has deleted.
+  stream again, as MSMQ intends, instead of waiting for numbers the sender has deleted.
 - Timers: a committed message is due at once; after its n-th transmission it is due again after
   ``backoff.compute(n)``. When a message expires, the next message in the queue, if it was sent, is
   due at once, so that it goes out with its new previous number: the receiver may be stuck at the
@@ -137,7 +138,7 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class StreamState:
-    """All a receiver keeps of a stream (seed 004: "there is no need to keep message history")."""
+    """All a receiver keeps of a stream (MSMQ: "there is no need to keep message history")."""
 
     epoch: int = 0
     last: int = 0
@@ -154,7 +155,7 @@ class StreamState:
 
 
 def classify(state: StreamState, frame: Frame) -> Verdict:
-    """Seed 004's receiver: reject ``sequence <= last_accepted``, reject ``previous >
+    """MSMQ's receiver: reject ``sequence <= last_accepted``, reject ``previous >
     last_accepted``, else accept; ``previous`` may be *below* the last accepted number when the
     messages between expired. Requiring equality would wedge the stream: a message the receiver
     accepted, whose acknowledgment was lost, can still expire at the sender, which then relinks

@@ -1,4 +1,5 @@
-"""`LogTransfer`: the message log's side of the transfer protocol (seed 000), one per cursor.
+"""`LogTransfer`: the message log's side of the transfer protocol (US patent 8,200,836), one per
+cursor.
 
 At-least-once over TCP: every committed message is sent, its timer started, resent on expiry with
 back-off, and compacted from the log once the cursor acknowledges it. Exactly-once and in order on

@@ -1,4 +1,4 @@
-"""The cursor: the delivery side of exactly-once messaging (seed 000's cursor).
+"""The cursor: the delivery side of exactly-once messaging (the cursor of US patent 8,200,836).
 
 `Cursor` is the durable store on the coordinator's journal: it accepts transferred messages
 through `..sequencing.StreamFilter` (persisting each with its stream's filter state before

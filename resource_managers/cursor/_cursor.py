@@ -420,9 +420,9 @@ class Cursor:
     def _accept_record(
         self, message: Message, decision: Decision, ahead: Counter[str] | None = None
     ) -> dict[str, Any]:
-        """The ``M`` record, with the seed-004 verdict in it (``j``: rejected, a transactional
-        message at a non-transactional queue) so that applying it never depends on the queue's
-        kind at that moment: an ``M`` is written before it is applied, and a ``T`` may land
+        """The ``M`` record, with the non-transactional-queue verdict in it (``j``: rejected, a
+        transactional message at a non-transactional queue) so that applying it never depends on the
+        queue's kind at that moment: an ``M`` is written before it is applied, and a ``T`` may land
         between the two. ``p``: the message is pre-counted at arrival (`_precount.on_arrival`;
         ``ahead``: the batch's earlier messages per destination, not applied yet)."""
         record = {"k": "M", "q": decision.frame.stream, "e": decision.after.epoch,
@@ -851,7 +851,7 @@ class Cursor:
     def dead_letter_queue(destination: str) -> str:
         return destination + DLQ_SUFFIX
 
-    # -- topics and subscriptions (seed 003) ---------------------------------------------------
+    # -- topics and subscriptions (JMS) -------------------------------------------------------
 
     def subscribe(self, topic: str, name: str, *, durable: bool = True) -> Subscription:
         """Create a subscription (idempotent for one of the same kind). A durable one is a
@@ -976,7 +976,7 @@ class Cursor:
         """Put a publication's copy into a subscription queue with its monitor entry, in one
         ``K`` record; False (nothing written) if the monitor queue already has this copy or the
         subscription is gone. Forced only for a non-persistent message while a durable
-        subscriber is disconnected: seed 003 stores that one as if it were persistent."""
+        subscriber is disconnected: JMS stores that one as if it were persistent."""
         with self._lock:
             taken = self._state.taken.get(message_id)
             if taken is None:
@@ -1022,7 +1022,7 @@ class Cursor:
     def set_transactional(self, queue: str, transactional: bool) -> None:
         """Mark a queue (non-)transactional (forced ``T``). A transactional message that reaches
         a non-transactional queue is rejected into its dead-letter queue, and a negative
-        acknowledgment goes to the administration queue the message named (seed 004)."""
+        acknowledgment goes to the administration queue the message named (as MSMQ does)."""
         validate_destination(queue)
         if queue.startswith(TOPIC_PREFIX):
             raise ProgrammingError(

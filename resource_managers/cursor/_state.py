@@ -343,7 +343,7 @@ class CursorState:
             self._add(entry)
 
     def _nack(self, message: Message) -> None:
-        """Seed 004: the negative acknowledgment to the administration queue the message named."""
+        """MSMQ: the negative acknowledgment to the administration queue the message named."""
         admin = message.admin_queue
         if admin is None or is_subscription_queue(admin):
             return

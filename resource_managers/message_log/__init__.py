@@ -1,4 +1,4 @@
-"""The message log: the capture side of exactly-once messaging (seed 000's message log).
+"""The message log: the capture side of exactly-once messaging (US patent 8,200,836).
 
 `MessageLog` is the durable store on the coordinator's journal; `MessageLogResource` makes it a
 two-phase participant whose branches (`ProducerBranch`) ``send`` messages; the transfer side

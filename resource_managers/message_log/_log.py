@@ -462,7 +462,7 @@ class MessageLog:
     def drop_expired(self, stream: str, now_ms: int | None = None) -> list[tuple[int, Message]]:
         """Remove the visible messages of ``stream`` whose ``expires_at`` has passed (a lazy
         ``D`` record: one that comes back after a crash has expired all the same) and return
-        them, so the transfer side can relink the stream past them (seed 004)."""
+        them, so the transfer side can relink the stream past them (as MSMQ does)."""
         now = self._clock() if now_ms is None else now_ms
         expired = [
             (n, m)

@@ -37,7 +37,7 @@ from coordinator.errors import LogCorruptionError
 LOG_IDENTITY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,39}")
 #: the suffix of a destination's non-persistent stream (never a valid destination character)
 VOLATILE_SUFFIX = "#np"
-#: a destination starting with this is a topic (publish/subscribe, seed 003); a topic's name has
+#: a destination starting with this is a topic (JMS publish/subscribe); a topic's name has
 #: no ``/``, which joins it to a subscription's name in the subscription's queue
 TOPIC_PREFIX = "topic:"
 #: ``<queue>.DLQ`` is the queue's dead-letter queue at the cursor: only the cursor puts messages
@@ -85,7 +85,8 @@ class Message:
 
     @property
     def admin_queue(self) -> str | None:
-        """Where a negative acknowledgment goes if a destination rejects the message (seed 004)."""
+        """Where a negative acknowledgment goes if a destination rejects the message (MSMQ's
+        administration queue)."""
         return self.headers.get(ADMIN_QUEUE_HEADER)
 
     @property
