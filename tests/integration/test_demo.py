@@ -65,10 +65,11 @@ def test_the_demo_crashes_recovers_delivers_once_and_passes_its_audit() -> None:
 
 def test_a_message_prepared_at_the_crash_is_rolled_back_and_never_delivered() -> None:
     """Killed after the message log prepared transfer 7 and before any decision: recovery
-    presumes abort, and neither its money nor its message goes anywhere."""
+    presumes abort, and neither its money nor its message goes anywhere. (Redis's prepare is
+    sent before the others and read after them, so by then it may have prepared too.)"""
     out = demo("--crash-at", "tm.after_prepare.1:7")
     assert "mlog          prepared, message held" in step(out, 2)
-    assert "presumed abort: 1 branch(es)" in step(out, 3)
+    assert re.search(r"presumed abort: [12] branch\(es\)", step(out, 3))
     assert "consumed: 6 message(s)" in step(out, 4)
     audit = step(out, 5)
     assert "6 notifications for 6 transfers" in audit
