@@ -1,4 +1,4 @@
-"""The examples of docs/messaging.md and README.md run as written.
+"""The examples of docs/messaging.md, README.md, docs/postgres.md and docs/concepts.md run.
 
 A block is an example when the line right before its ```` ```python ```` fence is
 ``<!-- example: NAME -->``. Each runs as a script of its own in a fresh interpreter (cwd a
@@ -62,13 +62,19 @@ def examples(text: str) -> list[Example]:
     return found
 
 
-EXAMPLES = examples(DOC.read_text(encoding="utf-8")) + examples(README.read_text(encoding="utf-8"))
+#: the other pages whose marked blocks run too (their sections need not each carry one)
+OTHER_PAGES = (REPO / "docs" / "postgres.md", REPO / "docs" / "concepts.md")
+EXAMPLES = [
+    *examples(DOC.read_text(encoding="utf-8")),
+    *examples(README.read_text(encoding="utf-8")),
+    *(e for page in OTHER_PAGES for e in examples(page.read_text(encoding="utf-8"))),
+]
 
 
 def test_every_documented_mechanism_has_a_runnable_example() -> None:
     names = [e.name for e in EXAMPLES]
     assert len(names) == len(set(names)), f"duplicate example names: {names}"
-    texts = (DOC.read_text(encoding="utf-8"), README.read_text(encoding="utf-8"))
+    texts = [p.read_text(encoding="utf-8") for p in (DOC, README, *OTHER_PAGES)]
     marks = [m for t in texts for m in re.findall(r"^<!-- example:.*$", t, re.M)]
     assert len(marks) == len(EXAMPLES), f"a marker not right before a ```python fence: {marks}"
     covered = {e.section for e in EXAMPLES}
