@@ -88,10 +88,9 @@ def finish(tm: TransactionManager) -> None:
 
 
 #: attempts of one transaction that rolled back (a log server being restarted by the test's
-#: supervisor, 0.2 s apart: a minute in all, longer than any restart on a loaded machine):
-#: without them a producer can run all its transactions inside one outage and end with nothing
-#: sent, which the audit reads as a producer that never ran
-RETRIES = 300
+#: supervisor): without them a producer can run all its transactions inside one outage and end
+#: with nothing sent, which the audit reads as a producer that never ran
+RETRIES = 25
 
 
 def produce(args: argparse.Namespace) -> int:
