@@ -51,13 +51,7 @@ class RemoteMessageLog(_RemoteResource):
 
     ``name`` is the bqual (the server keeps one resource per name): keep it stable, and unique
     among the clients of one log unless they share a coordinator node id. ``max_message_bytes``
-    is checked at ``send``; the server checks its own limit again.
-
-    ``lazy_commit`` is False by default here: phase two waits for the log's answer (its commit
-    record on disk). Committing lazily (the answer awaited on another thread) would let a log that
-    crashes before that record is on disk hold the transaction prepared until recovery commits it,
-    *after* this producer's next transaction, which is numbered first: the producer's order
-    broken. Turn it on only where order across transactions does not matter."""
+    is checked at ``send``; the server checks its own limit again."""
 
     _role = PRODUCER_ROLE
 
@@ -73,7 +67,7 @@ class RemoteMessageLog(_RemoteResource):
         timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         sort_key: str | None = None,
-        lazy_commit: bool = False,
+        lazy_commit: bool = True,
     ) -> None:
         super().__init__(
             address, secret, name=name, client_id=client_id, tls=tls,

@@ -87,42 +87,26 @@ def finish(tm: TransactionManager) -> None:
     tm.close()
 
 
-#: attempts of one transaction that rolled back (a log server being restarted by the test's
-#: supervisor): without them a producer can run all its transactions inside one outage and end
-#: with nothing sent, which the audit reads as a producer that never ran
-RETRIES = 25
-
-
 def produce(args: argparse.Namespace) -> int:
     engine = create_engine(args.pg, pool_size=2, connect_args={"options": "-c lock_timeout=10000"})
     pg = PostgresResource(engine, "pg", last_resource=args.llr)
-    # the lazy remote commit (not the default: see RemoteMessageLog) only where a test arms its
-    # crash point, remote.mlog.commit_sent
-    lazy = "remote.mlog.commit_sent" in os.environ.get("TWOPC_CRASH_AT", "")
-    log = RemoteMessageLog(
-        parse_address(args.log), secret(), client_id=f"producer-{args.id}", lazy_commit=lazy
-    )
+    log = RemoteMessageLog(parse_address(args.log), secret(), client_id=f"producer-{args.id}")
     tm = manager(f"producer-{args.id}", args.state, [pg, log])
     with engine.connect() as conn:
         last = conn.execute(
             text("SELECT coalesce(max(tx), 0) FROM produced WHERE producer = :p"), {"p": args.id}
         ).scalar_one()
     for t in range(last + 1, args.txs + 1):
-        for attempt in range(RETRIES):
-            try:
-                with tm.transaction() as tx:
-                    _produce_one(tx, pg, log, args, t)
-                say("ACK", t)
-            except Rollback:
-                say("ABORTED", t)
-            except TransactionRolledBack as exc:
-                say("FAILED", t, exc.code)
-                if attempt + 1 < RETRIES:  # a server restarting: nothing of it stayed, try again
-                    time.sleep(0.2)
-                    continue
-            except TransactionError as exc:  # outcome unknown: recovery decides; do not redo it
-                say("FAILED", t, exc.code)
-            break
+        try:
+            with tm.transaction() as tx:
+                _produce_one(tx, pg, log, args, t)
+            say("ACK", t)
+        except Rollback:
+            say("ABORTED", t)
+        except TransactionRolledBack as exc:
+            say("FAILED", t, exc.code)
+        except TransactionError as exc:  # outcome unknown: recovery decides; do not redo it
+            say("FAILED", t, exc.code)
     finish(tm)
     say("DONE")
     return 0

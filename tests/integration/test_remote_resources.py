@@ -442,7 +442,7 @@ def test_a_lost_answer_never_invents_an_outcome(
         service(DropReplies(conn, FrameType.XA_COMMIT, limit=3))  # type: ignore[arg-type]
 
     with serve(PRODUCER_ROLE, handler) as listener:
-        remote = RemoteMessageLog(listener.address, SECRET, timeout=5.0, lazy_commit=True)
+        remote = RemoteMessageLog(listener.address, SECRET, timeout=5.0)
         alone = make_manager(managers, [remote])
         with pytest.raises(OutcomeUnknownError), alone.transaction() as tx:  # one phase
             tx.join(remote).send("orders", b"one-phase")
