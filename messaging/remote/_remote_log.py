@@ -102,12 +102,27 @@ class RemoteMessageLog(_RemoteResource):
         if not branch.messages:
             return Vote.READ_ONLY
         args: dict[str, Value] = {"messages": [message_to_value(m) for m in branch.messages]}
+        after = self._with_predecessors(args)
         try:
-            return self._call(FrameType.XA_PREPARE, xid, args, _vote, idempotent=False)
+            vote = self._call(FrameType.XA_PREPARE, xid, args, _vote, idempotent=False)
         except _Lost as exc:  # the server may have prepared: voting no makes it roll back
             raise RemoteUnavailable(
                 f"{self._name}: no answer to the prepare of {xid} ({exc}); it rolls back"
             ) from exc
+        self._confirmed(after)
+        return vote
+
+    def _with_predecessors(self, args: dict[str, Value]) -> list[str]:
+        """Name, in ``args["after"]``, the branches whose commit this client issued and has not
+        seen confirmed, so the server commits any it still holds prepared before it takes this
+        branch's messages: their decision is commit, and was made before this branch's
+        transaction could begin. Without it, a commit lost with a log crash (or a broken
+        connection) would be applied by recovery only after this branch's, and a producer's
+        second transaction would be numbered before its first."""
+        after = self._unconfirmed_commits()
+        if after:
+            args["after"] = list(after)
+        return after
 
     def _active(self, xid: Xid) -> bool:
         with self._lock:
@@ -128,14 +143,17 @@ class RemoteMessageLog(_RemoteResource):
             "one_phase": True,
             "messages": [message_to_value(m) for m in branch.messages],
         }
+        after = self._with_predecessors(args)
         try:
-            return self._call(FrameType.XA_COMMIT, xid, args, _outcome, idempotent=False)
+            outcome = self._call(FrameType.XA_COMMIT, xid, args, _outcome, idempotent=False)
         except _Lost as exc:
             raise OutcomeUnknownError(
                 f"{self._name}: no answer to the one-phase commit of {xid} ({exc}); it may have "
                 "committed",
                 gtrid=xid.gtrid,
             ) from exc
+        self._confirmed(after)
+        return outcome
 
     def rollback(self, xid: Xid) -> Outcome | None:
         with self._lock:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from coordinator.crashpoints import crash_point
@@ -88,6 +88,9 @@ class _RemoteResource:
             release=self._pool.release, commit_again=self._commit_prepared,
         )  # fmt: skip
         self.lazy_commit = lazy_commit
+        #: gids whose phase-two commit was issued here and not yet confirmed (answered, or seen
+        #: gone by `recover`): a remote log's next prepare names them (`_remote_log`)
+        self._unconfirmed: dict[str, None] = {}
 
     @property
     def name(self) -> str:
@@ -212,7 +215,30 @@ class _RemoteResource:
     # -- the idempotent verbs --------------------------------------------------------------
 
     def _commit_prepared(self, xid: Xid) -> Outcome | None:
-        return self._call(FrameType.XA_COMMIT, xid, {"one_phase": False}, _outcome, idempotent=True)
+        gid = self._issued(xid)
+        outcome = self._call(
+            FrameType.XA_COMMIT, xid, {"one_phase": False}, _outcome, idempotent=True
+        )
+        self._confirmed([gid])
+        return outcome
+
+    # -- commits issued and not yet confirmed ------------------------------------------------
+
+    def _issued(self, xid: Xid) -> str:
+        """Phase two is about to ask the server to commit ``xid``: its decision is commit."""
+        gid = xid.to_gid()
+        with self._lock:
+            self._unconfirmed[gid] = None
+        return gid
+
+    def _confirmed(self, gids: Iterable[str]) -> None:
+        with self._lock:
+            for gid in gids:
+                self._unconfirmed.pop(gid, None)
+
+    def _unconfirmed_commits(self) -> list[str]:
+        with self._lock:
+            return list(self._unconfirmed)
 
     def _active(self, xid: Xid) -> bool:
         """The branch is still in its work phase here (never prepared)."""
@@ -231,6 +257,7 @@ class _RemoteResource:
             outcome = self._commit_prepared(xid)
             on_durable()
             return outcome
+        gid = self._issued(xid)
         conn = self._pool.acquire()
         try:
             request_id = self._send(conn, FrameType.XA_COMMIT, xid, {"one_phase": False})
@@ -238,7 +265,12 @@ class _RemoteResource:
             outcome = self._commit_prepared(xid)
             on_durable()
             return outcome
-        self._replies.expect(conn, request_id, xid, on_durable)
+
+        def durable() -> None:
+            self._confirmed([gid])
+            on_durable()
+
+        self._replies.expect(conn, request_id, xid, durable)
         crash_point(f"remote.{self._name}.commit_sent")
         return None
 
@@ -250,7 +282,9 @@ class _RemoteResource:
         return self._call(FrameType.XA_ROLLBACK, xid, {}, _outcome, idempotent=True)
 
     def recover(self) -> list[Xid]:
+        issued = set(self._unconfirmed_commits())  # before listing: what is not listed is done
         gids = self._call(FrameType.XA_RECOVER, None, {}, _gids, idempotent=True)
+        self._confirmed(issued.difference(gids))
         return branches_of(gids, self._name, sub_branches=True)
 
     def forget(self, xid: Xid) -> None:

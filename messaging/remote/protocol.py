@@ -71,8 +71,8 @@ _NONE: frozenset[str] = frozenset()
 #: the argument keys each verb takes besides ``rm``. Any other key is refused, as an unknown
 #: frame field is: ignoring one (a misspelt ``one_phase``) could change what a request does.
 PRODUCER_ARGS: dict[FrameType, frozenset[str]] = {
-    FrameType.XA_PREPARE: frozenset({"messages"}),
-    FrameType.XA_COMMIT: frozenset({"one_phase", "messages"}),
+    FrameType.XA_PREPARE: frozenset({"messages", "after"}),
+    FrameType.XA_COMMIT: frozenset({"one_phase", "messages", "after"}),
     FrameType.XA_ROLLBACK: _NONE,
     FrameType.XA_RECOVER: _NONE,
     FrameType.XA_FORGET: _NONE,
@@ -274,6 +274,17 @@ def arg_ids(args: Mapping[str, Value], key: str) -> list[str] | None:
     if len(ids) > MAX_ADMIN_IDS or not all(isinstance(i, str) for i in ids):
         raise _bad(f"argument {key!r} must be a list of at most {MAX_ADMIN_IDS} strings")
     return [i for i in ids if isinstance(i, str)]
+
+
+def arg_gids(args: Mapping[str, Value], key: str) -> list[str]:
+    """Branch ids (``Xid.to_gid`` form): a list of strings, empty when absent. Bounded like
+    `arg_ids`; each is parsed where it is used."""
+    if args.get(key) is None:
+        return []
+    gids = arg_list(args, key)
+    if len(gids) > MAX_ADMIN_IDS or not all(isinstance(g, str) for g in gids):
+        raise _bad(f"argument {key!r} must be a list of at most {MAX_ADMIN_IDS} branch ids")
+    return [g for g in gids if isinstance(g, str)]
 
 
 # -- messages and deliveries -------------------------------------------------------------------

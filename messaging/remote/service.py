@@ -96,6 +96,7 @@ from .protocol import (
     BadRequestError,
     BranchLost,
     arg_bool,
+    arg_gids,
     arg_int,
     arg_list,
     arg_str,
@@ -296,9 +297,10 @@ class ProducerService(_Service[MessageLogResource]):
     def _prepare(
         self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
     ) -> Result:
+        after = arg_gids(args, "after")
         self._staged(r, xid, args, opened)
         try:
-            vote = r.prepare(xid)
+            vote = r.prepare(xid, after=after)
         except BaseException:
             self._drop(xid, opened)  # a no vote: the coordinator rolls back all the same
             raise
@@ -311,10 +313,13 @@ class ProducerService(_Service[MessageLogResource]):
         if not arg_bool(args, "one_phase", False):
             if "messages" in args:
                 raise BadRequestError("messages travel with a one-phase commit only")
+            if "after" in args:
+                raise BadRequestError("earlier branches travel with a prepare only")
             return {"outcome": outcome_to_value(r.commit(xid))}
+        after = arg_gids(args, "after")
         self._staged(r, xid, args, opened)
         try:
-            outcome: Outcome | None = r.commit(xid, one_phase=True)
+            outcome: Outcome | None = r.commit(xid, one_phase=True, after=after)
         except BaseException:
             self._drop(xid, opened)
             raise

@@ -140,6 +140,7 @@ class MessageLog:
         )
         self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"message log {directory}")
         self._settling: set[str] = set()  # gids whose lazy commit record is not durable yet
+        self._committing: set[str] = set()  # gids numbered by a commit whose record is not applied
         try:
             self._open()
         except BaseException:
@@ -229,19 +230,27 @@ class MessageLog:
         one_phase = messages is not None
         if messages is not None:
             self._judge(messages)
-        elif gid in self._settling:  # recovery's commit of a lazy one: return once durable
-            self._lazy.flush()
-            return
+        settling = False
         with self._lock:
+            if not one_phase:
+                self._await_commit_locked(gid)
+                settling = gid in self._settling
+                if not settling:
+                    self._committing.add(gid)
             if one_phase:
                 assert messages is not None
                 durable = [m for m in messages if m.persistent]
                 volatile = [m for m in messages if not m.persistent]
+            elif settling:  # recovery's commit of a lazy one: return once durable, below
+                durable, volatile = [], []
             else:
                 durable = list(self._state.prepared.get(gid, []))
                 volatile = self._volatile_prepared.pop(gid, [])
             numbers = [self._take_number(m.stream) for m in durable]
             vnumbers = [self._take_number(m.stream) for m in volatile]
+        if not one_phase and settling:
+            self._lazy.flush()
+            return
         try:
             if durable or (not one_phase and gid in self._state.prepared):
                 record: dict[str, Any] = {"k": "C", "g": gid, "s": [list(n) for n in numbers]}
@@ -259,7 +268,14 @@ class MessageLog:
                 with self._lock:
                     self._state.committed.add(gid)
         finally:
-            self._publish(volatile, vnumbers, numbers, one_phase)
+            self._publish(volatile, vnumbers, numbers, one_phase, committed=gid)
+
+    def _await_commit_locked(self, gid: str) -> None:
+        """Wait (holding ``_lock`` through ``changed``) while another thread commits ``gid``:
+        two commits of one branch at once would both number its messages. The phase-two commit
+        and a later branch's prepare naming it (``after``) do meet so, on purpose."""
+        while gid in self._committing:
+            self.changed.wait()
 
     def commit_lazily(self, gid: str, on_durable: Callable[[], None]) -> None:
         """`commit` of a prepared branch whose ``C`` record is written lazily: numbered and
@@ -268,17 +284,24 @@ class MessageLog:
         transfer must never send a number a crash could give to another message. Until then the
         gid counts as prepared (`is_prepared`, `prepared_gids`), so recovery still re-drives it
         from the decision the coordinator keeps (`coordinator.lazy_commit`)."""
-        if gid in self._settling:
-            self._lazy.flush()
         with self._lock:
-            durable = list(self._state.prepared.get(gid, []))
-            volatile = self._volatile_prepared.pop(gid, [])
-            numbers = [self._take_number(m.stream) for m in durable]
-            vnumbers = [self._take_number(m.stream) for m in volatile]
-        self._publish(volatile, vnumbers, [], one_phase=False)
+            self._await_commit_locked(gid)
+            settling = gid in self._settling
+            if not settling:
+                self._committing.add(gid)
+                durable = list(self._state.prepared.get(gid, []))
+                volatile = self._volatile_prepared.pop(gid, [])
+                numbers = [self._take_number(m.stream) for m in durable]
+                vnumbers = [self._take_number(m.stream) for m in volatile]
+        if settling:  # committed lazily by another caller: report once that record is durable
+            self._lazy.flush()
+            on_durable()
+            return
         if gid not in self._state.prepared:
+            self._publish(volatile, vnumbers, [], one_phase=False, committed=gid)
             on_durable()  # volatile only, or a repeat: nothing to write
             return
+        self._publish(volatile, vnumbers, [], one_phase=False)
         record = {"k": "C", "g": gid, "s": [list(n) for n in numbers]}
         payload = encode(record)
         self._gate.enter_shared()
@@ -289,8 +312,10 @@ class MessageLog:
                     self._hold_locked(self._state.prepared.get(gid, []), -1)
                     self._state.apply(record)
                     self._settling.add(gid)
+                    self._committing.discard(gid)
+                    self.changed.notify_all()
             except LogWriteError as exc:
-                self._publish([], [], numbers, one_phase=False)  # burned: nothing was queued
+                self._publish([], [], numbers, one_phase=False, committed=gid)  # burned
                 raise LogWriteError(
                     f"message log {self.directory}: {exc.message}", durable=exc.durable
                 ) from exc
@@ -330,10 +355,14 @@ class MessageLog:
         vnumbers: list[tuple[str, int]],
         numbers: list[tuple[str, int]],
         one_phase: bool,
+        committed: str | None = None,
     ) -> None:
         """Volatile messages join their streams; every number taken leaves the in-flight set
-        (burned, if the durable record failed: `_append` already applied a written one)."""
+        (burned, if the durable record failed: `_append` already applied a written one); the
+        ``committed`` gid's commit is over (`_await_commit_locked`)."""
         with self._lock:
+            if committed is not None:
+                self._committing.discard(committed)
             for (name, seq), message in zip(vnumbers, volatile, strict=True):
                 self._state.stream(name).add(seq, message)
             for name, seq in [*numbers, *vnumbers]:

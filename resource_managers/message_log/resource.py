@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator import (
@@ -226,20 +226,62 @@ class MessageLogResource:
             self._branches[xid] = branch
         return branch
 
-    def prepare(self, xid: Xid) -> Vote:
+    def prepare(self, xid: Xid, *, after: Sequence[str] = ()) -> Vote:
+        """``after``: branches of this resource and coordinator node whose commit was decided
+        before this branch's transaction began (`commit_earlier`)."""
         branch = self._take(xid)
         gid = xid.to_gid()
         if self.log.is_tombstoned(gid):
             raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone); no prepare")
         if branch.doomed is not None:
             raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
+        earlier = self.commit_earlier(xid, after)
         if not branch.messages:
-            return Vote.READ_ONLY
-        self.log.prepare(gid, branch.messages)
-        crash_point(f"mlog.{self._name}.after_prepare")
-        return Vote.COMMIT
+            vote = Vote.READ_ONLY
+        else:
+            self.log.prepare(gid, branch.messages)  # forced: it carries the earlier commits too
+            crash_point(f"mlog.{self._name}.after_prepare")
+            vote = Vote.COMMIT
+        if earlier:
+            self.log.flush_commits()  # durable before the answer, whatever this branch wrote
+        return vote
 
-    def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
+    def commit_earlier(self, xid: Xid, gids: Sequence[str]) -> bool:
+        """Commit the branches ``gids`` still prepared here, before ``xid`` takes numbers.
+
+        A remote producer names in each prepare (and one-phase commit) the branches whose
+        commit it issued and has not seen confirmed (`messaging.remote`). Their decision is
+        commit, made before ``xid``'s transaction began; a commit lost with a crash of this log,
+        or with a broken connection, would otherwise be applied by recovery after ``xid``'s,
+        and the producer's later messages would be numbered before its earlier ones. Each is
+        committed lazily, so the next forced record (``xid``'s prepare) carries it. Only branches
+        of the same resource and coordinator node as ``xid`` may be named (`InvalidXidError`).
+        True if any was committed here."""
+        node = xid.node_id
+        earlier = []
+        for gid in gids:
+            other = self._check(Xid.from_gid(gid))
+            if node is None or other.node_id != node:
+                raise InvalidXidError(
+                    f"{self._name}: {xid} may name only earlier branches of its own coordinator "
+                    "node"
+                )
+            earlier.append(other)
+        committed = False
+        for other in earlier:
+            gid = other.to_gid()
+            if self.log.is_tombstoned(gid) or not self.log.is_prepared(gid):
+                continue  # committed already (or rolled back by an operator): nothing to order
+            self.log.commit_lazily(gid, _nothing)
+            committed = True
+        if committed:
+            crash_point(f"mlog.{self._name}.after_earlier_commits")
+        return committed
+
+    def commit(
+        self, xid: Xid, one_phase: bool = False, *, after: Sequence[str] = ()
+    ) -> Outcome | None:
+        """``after``: as `prepare`'s, for a one-phase commit."""
         gid = self._check(xid).to_gid()
         if one_phase:
             branch = self._take(xid)
@@ -247,8 +289,11 @@ class MessageLogResource:
                 raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone)")
             if branch.doomed is not None:
                 raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
+            earlier = self.commit_earlier(xid, after)
             if branch.messages:
                 self.log.commit(gid, branch.messages)
+            if earlier:
+                self.log.flush_commits()
             return None
         with self._lock:
             if xid in self._branches:
@@ -308,3 +353,7 @@ class MessageLogResource:
         if xid.bqual != self._name and not is_sub_branch_of(xid.bqual, self._name):
             raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
         return xid
+
+
+def _nothing() -> None:
+    """An earlier branch's ``on_durable``: its own phase-two commit reports to the coordinator."""

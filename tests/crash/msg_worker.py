@@ -97,16 +97,23 @@ def produce(args: argparse.Namespace) -> int:
             text("SELECT coalesce(max(tx), 0) FROM produced WHERE producer = :p"), {"p": args.id}
         ).scalar_one()
     for t in range(last + 1, args.txs + 1):
-        try:
-            with tm.transaction() as tx:
-                _produce_one(tx, pg, log, args, t)
-            say("ACK", t)
-        except Rollback:
-            say("ABORTED", t)
-        except TransactionRolledBack as exc:
-            say("FAILED", t, exc.code)
-        except TransactionError as exc:  # outcome unknown: recovery decides; do not redo it
-            say("FAILED", t, exc.code)
+        give_up = time.monotonic() + 90.0
+        while True:
+            try:
+                with tm.transaction() as tx:
+                    _produce_one(tx, pg, log, args, t)
+                say("ACK", t)
+            except Rollback:
+                say("ABORTED", t)
+            except TransactionRolledBack as exc:  # rolled back for sure: an application retries
+                if time.monotonic() < give_up:  # (a server restarting refuses for a while)
+                    say("RETRY", t, exc.code)
+                    time.sleep(0.2)
+                    continue
+                say("FAILED", t, exc.code)
+            except TransactionError as exc:  # outcome unknown: recovery decides; do not redo it
+                say("FAILED", t, exc.code)
+            break
     finish(tm)
     say("DONE")
     return 0

@@ -21,19 +21,12 @@ from tests.support.msg_cluster import Cluster, assert_exactly_once
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 
-#: an open bug, not a test defect: a log killed mid-run can leave one producer message out of
-#: order (0 lost, 0 duplicated) or a branch prepared at the log; see the stop's closing note
-KNOWN = "known: a producer's order across a log kill (open, under investigation)"
-
 CRASHES: list[Any] = [
     None,
     ("cursor1", "xfer.cursor.after_persist:2"),
     ("cursor", "xfer.cursor.after_ack:3"),
     ("log", "xfer.log.after_send:4"),
-    pytest.param(
-        ("log", "xfer.log.before_compact:3"),
-        marks=pytest.mark.xfail(strict=False, reason=KNOWN),
-    ),
+    ("log", "xfer.log.before_compact:3"),
 ]
 
 
@@ -69,10 +62,7 @@ def _audit(cluster: Cluster, tmp_path: Path) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "crash",
     CRASHES,
-    ids=[
-        "no kill" if c is None else "@".join(c.values[0] if hasattr(c, "values") else c)
-        for c in CRASHES
-    ],
+    ids=["no kill" if c is None else "@".join(c) for c in CRASHES],
 )
 def test_routed_destinations_exactly_once_with_kill_9(
     cluster: Cluster, tmp_path: Path, crash: tuple[str, str] | None
@@ -87,7 +77,6 @@ def test_routed_destinations_exactly_once_with_kill_9(
     print("audit:", report)
 
 
-@pytest.mark.xfail(strict=False, reason=KNOWN)
 def test_routed_destinations_with_random_kill_9(cluster: Cluster, tmp_path: Path) -> None:
     """The same under SIGKILL of the log or either cursor every 0.3-1.5 s (seeded:
     ``TWOPC_ROUTES_SEED`` replays a run)."""
