@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, NoReturn
 
-from . import _last_resource, protocol
+from . import _last_resource, protocol, tracing
 from ._verbs import BATCH, LAZY, SEND, verbs_of_branches
 from .batch_commit import batch_committer, batches
 from .crashpoints import crash_point
@@ -203,18 +203,25 @@ def _before_completion(tx: Transaction) -> None:
 
 
 def _one_phase(tx: Transaction, branch: Branch) -> Outcome:
+    started = time.time_ns() if tx.trace is not None else 0
     try:
         branch.resource.commit(branch.xid, one_phase=True)
-    except OutcomeUnknownError:
+    except OutcomeUnknownError as exc:
+        if tx.trace is not None:
+            _traced(tx, "one_phase_commit", started, branch, exc)
         _finish(tx, TxState.UNKNOWN, None)
         raise
     except Exception as exc:
+        if tx.trace is not None:
+            _traced(tx, "one_phase_commit", started, branch, exc)
         tx.rollback_reason = "one-phase commit failed"
         _rollback_branches(tx, [branch.resource.name])  # release what the server may still hold
         _finish(tx, TxState.ROLLED_BACK, Outcome.ROLLED_BACK)
         raise TransactionRolledBack(
             f"one-phase commit of {branch.xid} failed: {exc!r}", gtrid=tx.gtrid, reason="error"
         ) from exc
+    if tx.trace is not None:
+        _traced(tx, "one_phase_commit", started, branch)
     crash_point("tm.one_phase.before_ack")
     tx.runtime.metrics.incr("one_phase")
     return _finish(tx, TxState.COMMITTED, Outcome.COMMITTED)
@@ -228,7 +235,10 @@ def _two_phase(tx: Transaction) -> Outcome:
     branches = tx.ordered_branches()
     order = [b.resource.name for b in branches]
     votes, error = _phase_one(tx, branches)
-    tx.timings.append(("prepare", time.perf_counter() - started))
+    took = time.perf_counter() - started
+    tx.timings.append(("prepare", took))
+    if tx.trace is not None:
+        tx.trace.step("prepare", time.time_ns() - int(took * 1e9))
     result = protocol.tally(order, votes)
     if result.verdict == Verdict.ABORT:
         return _abort(tx, result.rollback, error)
@@ -248,7 +258,10 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     started = time.perf_counter()
     others = [b for b in tx.ordered_branches() if b is not last]
     votes, error = _phase_one(tx, others)
-    tx.timings.append(("prepare", time.perf_counter() - started))
+    took = time.perf_counter() - started
+    tx.timings.append(("prepare", took))
+    if tx.trace is not None:
+        tx.trace.step("prepare", time.time_ns() - int(took * 1e9))
     result = protocol.tally([b.resource.name for b in others], votes)
     if result.verdict == Verdict.ABORT:
         return _abort(tx, (*result.rollback, last.resource.name), error)
@@ -404,11 +417,16 @@ def _prepare_one(
     tx: Transaction, branch: Branch, finish: Callable[[], Vote] | None = None
 ) -> tuple[Vote | None, BaseException | None]:
     """``branch``'s vote: its ``prepare``, or ``finish`` of a prepare in flight."""
+    started = time.time_ns() if tx.trace is not None else 0
     try:
         vote = branch.resource.prepare(branch.xid) if finish is None else finish()
     except Exception as exc:
         log.info("branch %s voted no: %r", branch.xid, exc)
+        if tx.trace is not None:
+            _traced(tx, "prepare", started, branch, exc)
         return None, exc
+    if tx.trace is not None:
+        _traced(tx, "prepare", started, branch)
     answer: object = vote  # a resource outside the type checker may return anything
     if not isinstance(answer, Vote):
         return None, TypeError(f"{branch.resource.name}.prepare returned {answer!r}, not a Vote")
@@ -459,7 +477,10 @@ def _force_decision(tx: Transaction, result: protocol.Tally) -> None:
         ) from failure
     if failure is not None:
         _abort(tx, result.commit, failure)
-    tx.timings.append(("decision", time.perf_counter() - started))
+    took = time.perf_counter() - started
+    tx.timings.append(("decision", took))
+    if tx.trace is not None:
+        tx.trace.step("decision", time.time_ns() - int(took * 1e9))
     crash_point("tm.after_decision_fsync")
 
 
@@ -506,7 +527,10 @@ def _phase_two(
     for index, (name, result) in enumerate(zip(names, answers, strict=True), 1):
         results[name] = result
         crash_point(f"tm.after_commit.{index}")
-    tx.timings.append(("commit_phase", time.perf_counter() - started))
+    took = time.perf_counter() - started
+    tx.timings.append(("commit_phase", took))
+    if tx.trace is not None:
+        tx.trace.step("commit_phase", time.time_ns() - int(took * 1e9))
     outcome = protocol.outcome(Verdict.COMMIT, results)
     if BranchResult.UNREACHABLE not in results.values():
         crash_point("tm.before_end_record")
@@ -531,6 +555,7 @@ def _phase_two(
 def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch | None) -> BranchResult:
     """Commit one branch; a store that can write its commit record lazily does (`lazy_commit`):
     the decision outlives it, since ``latch`` holds the transaction's end until it is durable."""
+    started = time.time_ns() if tx.trace is not None else 0
     try:
         lazy = commits_lazily(branch.resource) if latch is not None else None
         if lazy is not None and latch is not None:
@@ -538,7 +563,11 @@ def _commit_branch(tx: Transaction, branch: Branch, latch: EndLatch | None) -> B
         else:
             reported = branch.resource.commit(branch.xid)
     except Exception as exc:
+        if tx.trace is not None:
+            _traced(tx, "commit", started, branch, exc)
         return _unconfirmed(tx, branch, exc)
+    if tx.trace is not None:
+        _traced(tx, "commit", started, branch)
     return judge_commit(tx.runtime.log, branch.xid.gtrid, branch.resource.name, reported)
 
 
@@ -641,9 +670,14 @@ def write_end(log_: DecisionLog, gtrid: str) -> bool:
 def _rollback_branches(tx: Transaction, names: list[str]) -> None:
     for index, name in enumerate(names, 1):
         branch = tx.branches[name]
+        started = time.time_ns() if tx.trace is not None else 0
         try:
             reported = branch.resource.rollback(branch.xid)
+            if tx.trace is not None:
+                _traced(tx, "rollback", started, branch)
         except Exception as exc:
+            if tx.trace is not None:
+                _traced(tx, "rollback", started, branch, exc)
             log.warning("rollback of %s failed, recovery will retry: %r", branch.xid, exc)
             tx.runtime.metrics.incr("rollback_unreachable")
             tx.unconfirmed.add(name)
@@ -660,6 +694,8 @@ def _finish(tx: Transaction, state: TxState, outcome: Outcome | None) -> Outcome
         tx.move_to(state)
     tx.outcome = outcome
     tx.runtime.ended(tx)
+    if tx.trace is not None:
+        tracing.end(tx.trace, outcome.value if outcome is not None else state.value)
     for sync in tx.synchronizations:
         try:
             sync.after_completion(outcome or Outcome.HEURISTIC_HAZARD)
@@ -667,3 +703,15 @@ def _finish(tx: Transaction, state: TxState, outcome: Outcome | None) -> Outcome
             log.exception("after-completion hook of %s failed (ignored)", tx.gtrid)
     tx.mark_settled()
     return outcome or Outcome.HEURISTIC_HAZARD
+
+
+def _traced(
+    tx: Transaction,
+    verb: str,
+    started: int,
+    branch: Branch,
+    error: BaseException | None = None,
+) -> None:
+    """A branch's verb as a step of the trace (the caller checked that ``tx`` is traced)."""
+    assert tx.trace is not None
+    tx.trace.step(verb, started, branch.resource.name, None if error is None else repr(error))

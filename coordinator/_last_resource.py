@@ -63,7 +63,10 @@ def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> Ba
     with tx._lock:
         failure = _commit(tx, last, Decision(tx.gtrid, branches, tx.wall_deadline))
     if failure is None:
-        tx.timings.append(("decision", time.perf_counter() - started))
+        took = time.perf_counter() - started
+        tx.timings.append(("decision", took))
+        if tx.trace is not None:  # the last resource's commit is the decision
+            tx.trace.step("decision", time.time_ns() - int(took * 1e9), last.resource.name)
         tx.runtime.metrics.incr("carried_decisions" if tx.last_carries else "last_resource_commits")
     return failure
 

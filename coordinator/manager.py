@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import _completion, _reaper
+from . import _completion, _reaper, tracing
 from ._runtime import Runtime
 from .backoff import Backoff, ExponentialBackoff
 from .decision_log import DecisionLog, HeuristicRecord
@@ -261,6 +261,8 @@ class TransactionManager:
             gtrid = self._new_gtrid(gtrid_suffix)
             tx = Transaction(self._runtime, gtrid, timeout)
             self._in_flight[gtrid] = tx
+        if tracing.installed() is not None:
+            tx.trace = tracing.begin(gtrid, self.node_id)
         _current.set(tx)
         self.metrics.incr("begun")
         return tx

@@ -23,6 +23,7 @@ from .errors import (
 from .last_resource import is_last_resource
 from .resource import Outcome, Resource, Synchronization
 from .states import TxState, check_transition, require
+from .tracing import TransactionTrace
 from .xid import Xid
 
 log = logging.getLogger("twopc.transaction")
@@ -107,6 +108,8 @@ class Transaction:
         #: branches told to roll back that did not confirm it: they may still hold this attempt's
         #: work (locks, messages handed out) until a later rollback or recovery reaches them
         self.unconfirmed: set[str] = set()
+        #: the steps a tracer turns into spans (`coordinator.tracing`); None while none is installed
+        self.trace: TransactionTrace | None = None
         self._lock = threading.RLock()
         #: completion stopped running (final state reached, or its job ended); the event is
         #: made only for someone who waits, so the common case costs no Event per transaction

@@ -88,6 +88,12 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--tls-cert", help="PEM certificate: serve over TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", help="PEM CA: verify peers (and the cursor, for a log)")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="OpenTelemetry spans for the messages that carry a trace (the otel extra; the "
+        "tracer provider is configured the OpenTelemetry way, e.g. opentelemetry-instrument)",
+    )
 
 
 def secret_from(args: argparse.Namespace) -> SharedSecret:
@@ -128,7 +134,14 @@ def _serve_until_signalled(
 
 def _built(args: argparse.Namespace, build: Callable[[], _Server]) -> _Server:
     """The server, or a one-line `ConfigurationError` for the operator's mistakes around it: a
-    ``--dir`` that is a file, a ``--listen`` address that cannot be bound."""
+    ``--dir`` that is a file, a ``--listen`` address that cannot be bound, ``--trace`` without
+    OpenTelemetry."""
+    if args.trace:
+        try:
+            from .tracing import instrument  # noqa: PLC0415 - only with --trace
+        except ImportError as exc:
+            raise ConfigurationError(f"--trace: {exc}") from exc
+        instrument()
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         raise ConfigurationError(f"--dir {args.dir} is a file, not a journal directory")
     try:

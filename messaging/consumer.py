@@ -35,7 +35,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from coordinator import Transaction, TransactionManager
+from coordinator import Transaction, TransactionManager, tracing
 from coordinator.errors import TransactionError, UnsettledError
 from resource_managers.cursor import Delivery
 
@@ -62,8 +62,9 @@ def consume_once(
 
     def work(tx: Transaction) -> int:
         deliveries = tx.join(cursor).receive_many(destination, batch, timeout)
-        for delivery in deliveries:
-            handler(tx, delivery)
+        with tracing.activated(tx.gtrid):  # traced: the handler's spans nest in the transaction
+            for delivery in deliveries:
+                handler(tx, delivery)
         return len(deliveries)
 
     return tm.run(work, tries=tries)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from coordinator import tracing
 from coordinator.errors import IllegalStateError, OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
@@ -87,6 +88,8 @@ class RemoteConsumerBranch:
                 got = self._resource._receive(
                     self, destination, min(max_messages, MAX_RECEIVE_BATCH), wait
                 )
+                if got and tracing.installed() is not None:
+                    tracing.received(self.xid.gtrid, got[0].headers)
                 if got or (deadline is not None and time.monotonic() >= deadline):
                     return got
 

@@ -32,6 +32,7 @@ import queue
 import threading
 from collections import Counter
 
+from coordinator import tracing
 from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError
 from resource_managers.cursor import Cursor
@@ -160,6 +161,12 @@ class TransferReceiver:
 
     def _delivered(self, items: list[tuple[Frame, Message]]) -> None:
         crash_point("xfer.cursor.after_persist")
+        if tracing.installed() is not None:
+            for frame, message in items:
+                tracing.message_event(
+                    "cursor.accept", message.headers, destination=message.destination,
+                    seq=str(frame.seq),
+                )  # fmt: skip
         self.stats["messages"] += len(items)
         self.stats["batches"] += 1
 

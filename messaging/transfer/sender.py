@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from coordinator import tracing
 from coordinator.backoff import Backoff, ExponentialBackoff
 from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError, LogError
@@ -291,6 +292,11 @@ class LogTransfer:
                 message = messages.get(f.seq)
                 if message is not None:  # acknowledged or dropped meanwhile: nothing to send
                     frames.append(to_wire(f, message))
+                    if tracing.installed() is not None:
+                        tracing.message_event(
+                            "transfer.send", message.headers, destination=message.destination,
+                            seq=str(f.seq),
+                        )  # fmt: skip
         return frames
 
     def _sync(self) -> None:

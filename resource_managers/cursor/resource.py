@@ -39,6 +39,7 @@ from coordinator import (
     ProgrammingError,
     Vote,
     Xid,
+    tracing,
 )
 from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, validate_resource_name
@@ -79,6 +80,8 @@ class ConsumerBranch:
         if got:
             crash_point(f"cursor.{r.name}.after_receive")
             self.deliveries += got
+            if tracing.installed() is not None:
+                tracing.received(self.xid.gtrid, got[0].headers)
         return got
 
 

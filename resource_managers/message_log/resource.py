@@ -35,6 +35,7 @@ from coordinator import (
     TransactionRolledBack,
     Vote,
     Xid,
+    tracing,
 )
 from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
@@ -148,6 +149,8 @@ class StagingBranch:
     ) -> list[str]:
         if self.closed:
             raise IllegalStateError(f"{self.name}: send after the branch ended")
+        if tracing.installed() is not None:  # the sending transaction's trace travels along
+            headers = {**(headers or {}), **tracing.message_headers(self.xid.gtrid)}
         messages = outgoing(
             destinations, body=body, headers=headers, persistent=persistent, ttl=ttl,
             priority=priority, admin_queue=admin_queue, transactional=transactional,
@@ -241,6 +244,7 @@ class MessageLogResource:
         else:
             self.log.prepare(gid, branch.messages)  # forced: it carries the earlier commits too
             crash_point(f"mlog.{self._name}.after_prepare")
+            _captured(branch.messages)
             vote = Vote.COMMIT
         if earlier:
             self.log.flush_commits()  # durable before the answer, whatever this branch wrote
@@ -292,6 +296,7 @@ class MessageLogResource:
             earlier = self.commit_earlier(xid, after)
             if branch.messages:
                 self.log.commit(gid, branch.messages)
+                _captured(branch.messages)
             if earlier:
                 self.log.flush_commits()
             return None
@@ -357,3 +362,10 @@ class MessageLogResource:
 
 def _nothing() -> None:
     """An earlier branch's ``on_durable``: its own phase-two commit reports to the coordinator."""
+
+
+def _captured(messages: list[Message]) -> None:
+    """The log holds these messages durably: a step of their senders' traces."""
+    if tracing.installed() is not None:
+        for m in messages:
+            tracing.message_event("log.capture", m.headers, destination=m.destination)
