@@ -10,6 +10,7 @@ import bisect
 import threading
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 #: upper bounds in seconds; the last bucket is +Inf
@@ -93,6 +94,16 @@ class Histogram:
         }
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """`Metrics.snapshot`: ``phases`` maps a phase to (per-bucket counts, the last one +Inf;
+    sum of seconds; count)."""
+
+    counters: dict[str, int]
+    phases: dict[str, tuple[list[int], float, int]]
+    gauges: dict[str, float]
+
+
 class Metrics:
     """Thread-safe counters and per-phase histograms of one transaction manager.
 
@@ -127,6 +138,14 @@ class Metrics:
                 if hist is None:
                     hist = phases[phase] = Histogram()
                 hist.observe(seconds)
+
+    def snapshot(self) -> Snapshot:
+        """Counters, each phase's histogram and the gauges' values, read at once: what an
+        exporter (`to_prometheus`, a `prometheus_client` collector) turns into families."""
+        with self._lock:
+            counters = dict(self.counters)
+            phases = {p: (list(h.counts), h.total, h.n) for p, h in self.phases.items()}
+        return Snapshot(counters, phases, {name: read() for name, read in self.gauges.items()})
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
