@@ -44,7 +44,7 @@ from resource_managers.cursor import (
 
 from . import stats_cli
 from .auth import AuthError, TlsConfig
-from .cli import secret_from
+from .cli import client_flags, secret_from
 from .connection import parse_address
 
 if TYPE_CHECKING:
@@ -143,12 +143,7 @@ def _target(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--connect", metavar="HOST:PORT", help="a running twopc serve cursor")
     where.add_argument("--dir", help="the cursor's directory (offline: no server running)")
-    p.add_argument("--secret-file", help="file holding the shared secret (or TWOPC_SECRET)")
-    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
-    p.add_argument("--tls-cert", help="PEM client certificate, if the server asks for one")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-server-name", help="the name the server's certificate carries")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (online)")
+    client_flags(p)
     p.add_argument(
         "--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES,
         help="offline: what the server uses (opening rolls back branches a crash left handed "

@@ -102,6 +102,16 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
     )  # fmt: skip
 
 
+def client_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that talks to a running server: secret, TLS, timeout."""
+    p.add_argument("--secret-file", help="file holding the shared secret (or TWOPC_SECRET)")
+    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate, if the server asks for one")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="the name the server's certificate carries")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (online)")
+
+
 def secret_from(args: argparse.Namespace) -> SharedSecret:
     """The shared secret of ``--secret-file``, else of ``TWOPC_SECRET``: the variable's bytes as
     the environment holds them (UTF-8 for text), so a value that is not valid UTF-8 is still a

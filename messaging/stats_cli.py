@@ -21,7 +21,7 @@ from coordinator.cli_output import emit_json, table
 from coordinator.errors import ConfigurationError
 
 from .auth import AuthError, TlsConfig
-from .cli import secret_from
+from .cli import client_flags, secret_from
 from .connection import parse_address
 from .metrics import Family, from_value
 
@@ -31,12 +31,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("stats", help="a running log or cursor server's metrics, online")
     p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the server's --listen")
     p.add_argument("--server", choices=("log", "cursor"), help="its kind (default: found out)")
-    p.add_argument("--secret-file", help="file holding the shared secret (or TWOPC_SECRET)")
-    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
-    p.add_argument("--tls-cert", help="PEM client certificate, if the server asks for one")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-server-name", help="the name the server's certificate carries")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    client_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_stats)
 

@@ -18,62 +18,45 @@ import json
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coordinator import MemoryDecisionLog, TransactionManager, Xid
+from coordinator import Xid
 from messaging.auth import SharedSecret
 from messaging.metrics import MetricsEndpoint, render_text
-from messaging.remote import RemoteCursor, RemoteMessageLog
 from messaging.server import CursorServer
-from tests.integration.cursor_stack import SECRET, _serve, _stop, twopc, wait_for
+from tests.integration.cursor_stack import SECRET, Stack, _serve, twopc, wait_for
 from tests.support.msg_cluster import free_port
 
 parser = pytest.importorskip("prometheus_client.parser")
 
 
-class Servers:
+@dataclass
+class Servers(Stack):
     """A cursor (expiry sweep every 0.2 s) and a log transferring to it, both with --metrics."""
 
-    def __init__(self, root: Path) -> None:
-        self.cursor_port, self.log_port = free_port(), free_port()
-        self.cursor_metrics, self.log_metrics = free_port(), free_port()
-        cursor = _serve(
-            "cursor", "--dir", str(root / "cursor"), "--listen", f"127.0.0.1:{self.cursor_port}",
+    cursor_metrics: int = field(default_factory=free_port)
+    log_metrics: int = field(default_factory=free_port)
+
+    def start(self) -> None:
+        self.procs.append(_serve(
+            "cursor", "--dir", str(self.cursor_dir), "--listen", f"127.0.0.1:{self.cursor_port}",
             "--metrics", f"127.0.0.1:{self.cursor_metrics}", "--expiry-sweep", "0.2",
-        )  # fmt: skip
-        log = _serve(
-            "log", "--dir", str(root / "log"), "--listen", f"127.0.0.1:{self.log_port}",
+        ))  # fmt: skip
+        self.procs.append(_serve(
+            "log", "--dir", str(self.root / "log"), "--listen", f"127.0.0.1:{self.log_port}",
             "--cursor", f"127.0.0.1:{self.cursor_port}",
             "--metrics", f"127.0.0.1:{self.log_metrics}",
-        )  # fmt: skip
-        self.procs = [log, cursor]
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            _stop(proc)
-
-    def send(self, destination: str, *bodies: bytes, ttl: float | None = None) -> list[str]:
-        remote = RemoteMessageLog(("127.0.0.1", self.log_port), SharedSecret(SECRET.encode()))
-        tm = TransactionManager("metrics-test", MemoryDecisionLog(), [remote],
-                                recovery_interval=None, reaper_interval=None)  # fmt: skip
-        try:
-            with tm.transaction() as tx:
-                branch = tx.join(remote)
-                return [branch.send(destination, b, ttl=ttl) for b in bodies]
-        finally:
-            tm.close()
-            remote.close()
-
-    def cursor(self) -> RemoteCursor:
-        return RemoteCursor(("127.0.0.1", self.cursor_port), SharedSecret(SECRET.encode()))
+        ))  # fmt: skip
 
 
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[Servers]:
-    running = Servers(tmp_path)
+    running = Servers(tmp_path, None)
+    running.start()
     try:
         yield running
     finally:
