@@ -47,3 +47,37 @@ def test_prometheus_text_has_help_and_type_for_every_family() -> None:
     assert families["twopc_phase_seconds"].type == "histogram"
     doc = families["twopc_in_doubt"].documentation
     assert doc == "committed transactions whose phase two is not finished"
+
+
+def test_a_manager_registers_as_a_prometheus_collector_with_the_text_exports_names() -> None:
+    """`register_manager` exposes what `to_prometheus` prints: same families, kinds, values."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coordinator import MemoryDecisionLog, TransactionManager
+    from messaging.metrics.prometheus import register_manager
+
+    tm = TransactionManager("metrics-1", MemoryDecisionLog(), [],
+                            recovery_interval=None, reaper_interval=None)  # fmt: skip
+    try:
+        for _ in range(3):
+            with tm.transaction():
+                pass
+        tm.metrics.observe("commit", 0.003)
+        registry = prometheus_client.CollectorRegistry(auto_describe=False)
+        register_manager(tm, registry)
+        scraped = prometheus_client.generate_latest(registry).decode()
+        ours = tm.metrics.to_prometheus()
+    finally:
+        tm.close()
+
+    def shape(text: str) -> dict[str, tuple[str, str, dict[str, float]]]:
+        return {
+            f.name: (f.type, f.documentation,
+                     {s.name + str(sorted(s.labels.items())): s.value for s in f.samples
+                      if not s.name.endswith("_created")})
+            for f in text_string_to_metric_families(text)
+        }  # fmt: skip
+
+    assert shape(scraped) == shape(ours)
+    assert shape(scraped)["twopc_begun"][2] == {"twopc_begun_total[]": 3.0}
