@@ -200,3 +200,46 @@ def test_the_stdlib_endpoint_serves_the_same_names(tmp_path: Path) -> None:
             render_text(server.families()))}  # fmt: skip
         assert set(families) == expected
         assert "twopc_queue_available" in families and "twopc_journal_records" in families
+
+
+def test_operator_mistakes_are_one_line(tmp_path: Path) -> None:
+    """A metrics port in use, a wrong secret for stats, a negative sweep interval: exit 2, one
+    line naming what to fix, no traceback, nothing left running."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = twopc("serve", "cursor", "--dir", str(tmp_path / "c"), "--listen", "127.0.0.1:0",
+                     "--metrics", f"127.0.0.1:{port}")  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"twopc: [configuration] cannot serve metrics on 127.0.0.1:{port}")
+    assert "address already in use" in done.stderr and "Traceback" not in done.stderr
+    done = twopc("serve", "cursor", "--dir", str(tmp_path / "c"), "--expiry-sweep", "-1")
+    assert done.returncode == 2 and "--expiry-sweep must be >= 0" in done.stderr, done.stderr
+    with CursorServer(tmp_path / "s", SharedSecret(SECRET.encode()),
+                      listen=("127.0.0.1", 0)) as server:  # fmt: skip
+        at = f"127.0.0.1:{server.address[1]}"
+        done = twopc("stats", "--connect", at, env={"TWOPC_SECRET": "another secret, 16+ bytes"})
+    assert done.returncode == 2 and "refused this client" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_queue_commands_offline_on_a_stopped_cursors_directory(tmp_path: Path) -> None:
+    from resource_managers.cursor import Cursor
+    from resource_managers.message_log import Message
+    from resource_managers.sequencing import Frame
+
+    with Cursor(tmp_path) as cursor:
+        ids = []
+        for seq, body in enumerate((b"stuck", b"next"), 1):
+            m = Message(uuid.uuid4().hex, "orders", body)
+            cursor.deliver(Frame("orders", 1, seq, seq - 1, m.message_id), m)
+            ids.append(m.message_id)
+    offline = ["--dir", str(tmp_path)]
+    ok("queue", "dead-letter", "orders", ids[0], *offline)
+    rows = json.loads(ok("queue", "list", "--json", *offline))
+    assert rows == [{"queue": "orders", "available": 1, "in_flight": 0, "dead_letters": 1,
+                     "transactional": True}]  # fmt: skip
+    out = ok("queue", "list", *offline)
+    assert out.splitlines()[0].split() == ["queue", "available", "in_flight", "dead_letters",
+                                           "transactional"]  # fmt: skip
