@@ -212,7 +212,8 @@ def test_operator_mistakes_are_one_line(tmp_path: Path) -> None:
         done = twopc("serve", "cursor", "--dir", str(tmp_path / "c"), "--listen", "127.0.0.1:0",
                      "--metrics", f"127.0.0.1:{port}")  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith(f"twopc: [configuration] cannot serve metrics on 127.0.0.1:{port}")
+    prefix = f"twopc: [configuration] cannot serve metrics on 127.0.0.1:{port}"
+    assert done.stderr.startswith(prefix), done.stderr
     assert "address already in use" in done.stderr and "Traceback" not in done.stderr
     done = twopc("serve", "cursor", "--dir", str(tmp_path / "c"), "--expiry-sweep", "-1")
     assert done.returncode == 2 and "--expiry-sweep must be >= 0" in done.stderr, done.stderr
