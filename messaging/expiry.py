@@ -52,6 +52,9 @@ class ExpirySweeper:
         except TransactionError as exc:  # a refusing journal: the next sweep tries again
             log.warning("expiry sweep failed (will retry in %.0f s): %s", self.interval, exc)
             return 0
+        except Exception:  # a defect: said loudly, and the thread goes on sweeping
+            log.exception("expiry sweep failed (will retry in %.0f s)", self.interval)
+            return 0
         if moved:
             log.info("expiry sweep moved %d expired message(s) to dead-letter queues", moved)
         self.swept += moved

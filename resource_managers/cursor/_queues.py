@@ -9,7 +9,8 @@ dead-letter queue; a message behind an unexpired one, or in a queue nobody reads
 reached the head. `QueueOps.sweep_expired` moves every available expired message of every queue
 (lazy ``W`` records, one per message, so each reason names that message's deadline). A crash
 before they are on disk loses nothing: the messages are back in their queues, still expired, and
-the next sweep (or receive) moves them again (crash point ``cursor.after_sweep``).
+the next sweep (or receive) moves them again (crash point ``cursor.after_sweep``). Publications
+waiting in the topic input are not swept: the dispatcher copies them on, and their copies are.
 
 **Taking one message out.** `QueueOps.remove_message` drops a waiting message (a forced ``Z``
 record, the one a dead-letter purge writes) or moves it to the dead-letter queue (a forced ``W``
