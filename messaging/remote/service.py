@@ -31,6 +31,7 @@ COMMIT   ``rm, one_phase, messages`` (one-phase)     ``outcome: None | "heuristi
 ROLLBACK ``rm``                                      ``outcome``
 RECOVER  ``rm`` (no xid)                             ``xids: [gid]``
 FORGET   ``rm``                                      ``{}``
+RECOVER  ``rm, op: "stats"`` (no xid)                ``families`` (`messaging.metrics`)
 ======== =========================================== =========================================
 
 ======== =========================================== =========================================
