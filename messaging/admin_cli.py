@@ -1,5 +1,7 @@
 """``twopc subscription``, ``twopc dlq`` and ``twopc queue``: a cursor's administration from the
-command line (subscriptions, JMS; dead letters and non-transactional queues, MSMQ).
+command line (subscriptions, JMS; dead letters and non-transactional queues, MSMQ; queue depths
+and taking one waiting message out of a queue its consumers cannot get past). ``twopc stats``
+(`stats_cli`) is registered here too.
 
 Each command works **online** (``--connect HOST:PORT``, with the secret and TLS flags of
 ``twopc serve``) against a running ``twopc serve cursor``, through `RemoteCursor`, or **offline**
@@ -111,7 +113,7 @@ def _register_dlq(sub: Any) -> None:
 
 
 def _register_queue(sub: Any) -> None:
-    group = sub.add_parser("queue", help="queue settings of a cursor")
+    group = sub.add_parser("queue", help="a cursor's queues: depth, settings, one message out")
     cmds = group.add_subparsers(dest="queue_command", required=True)
     mark = cmds.add_parser(
         "set-transactional",
