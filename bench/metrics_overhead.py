@@ -6,8 +6,9 @@ comparison per stream per transfer step (`LogTransfer._step`). The expiry sweep 
 message path: every ``--expiry-sweep`` seconds it scans the waiting messages under the cursor's
 lock, which is what a receive waits for meanwhile. Printed:
 
-- ``sweep``: one `Cursor.sweep_expired` over N waiting messages none of which expires (the usual
-  case: a scan that moves nothing), in ms, i.e. the longest a receive can wait behind it;
+- ``sweep``: one `Cursor.sweep_expired` over N waiting messages in Q queues, none of which
+  expires (the usual case: a scan that moves nothing), in ms; and the lock hold for one queue,
+  the longest a receive can wait behind the sweep (it takes the lock queue by queue);
 - ``scrape``: one `CursorServer.families()` plus `render_text` with Q queues holding N messages;
 - ``step``: the resend-count lines of a transfer step, in ns per stream and step, against the
   step without them (a `StreamSender.tick` that sends one frame).
@@ -86,9 +87,13 @@ def main() -> int:
         with server:
             fill(server, args.messages, args.queues)
             sweep = best_ms(server.cursor.sweep_expired)
+            hold = best_ms(lambda: server.cursor._sweep_queue("bench-0"))
             scrape = best_ms(lambda: render_text(server.families()))
     plain, counted = step_ns()
-    print(f"sweep   {args.messages} waiting messages, none expired: {sweep:.1f} ms per sweep")
+    print(
+        f"sweep   {args.messages} waiting messages in {args.queues} queues, none expired: "
+        f"{sweep:.1f} ms per sweep, the lock held {hold:.2f} ms at most (one queue)"
+    )
     print(f"scrape  {args.queues} queues, {args.messages} messages: {scrape:.1f} ms per scrape")
     print(f"step    one frame per step: {plain:.0f} ns without the resend count, "
           f"{counted:.0f} ns with it ({counted - plain:+.0f} ns)")  # fmt: skip

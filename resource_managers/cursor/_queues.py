@@ -67,17 +67,20 @@ def expiry_reason(deadline_ms: int, now_ms: int) -> str:
     )
 
 
-def expired_waiting(state: CursorState, now_ms: int) -> list[tuple[str, int]]:
-    """Every available message past its deadline, in any queue but a dead-letter queue (dead
-    letters never expire), as (key, deadline); queue by queue, in queue order."""
+def sweepable(state: CursorState) -> list[str]:
+    """The queues that hold waiting messages, dead-letter queues excepted (dead letters never
+    expire)."""
+    return [name for name, fifo in state.available.items()
+            if fifo and not name.endswith(DLQ_SUFFIX)]  # fmt: skip
+
+
+def expired_in(state: CursorState, queue: str, now_ms: int) -> list[tuple[str, int]]:
+    """The available messages of ``queue`` past their deadline, as (key, deadline), in order."""
     out: list[tuple[str, int]] = []
-    for name, fifo in state.available.items():
-        if name.endswith(DLQ_SUFFIX) or not fifo:
-            continue
-        for key in fifo:
-            expires = state.entries[key].message.expires_at
-            if expires is not None and expires <= now_ms:
-                out.append((key, expires))
+    for key in state.available.get(queue, ()):
+        expires = state.entries[key].message.expires_at
+        if expires is not None and expires <= now_ms:
+            out.append((key, expires))
     return out
 
 
@@ -136,13 +139,22 @@ class QueueOps:
 
     def sweep_expired(self) -> int:
         """Move every available expired message to its dead-letter queue (lazy ``W`` records,
-        each reason naming the message's deadline); how many. Runs beside deliveries: it takes
-        the lock once, for a scan of the waiting messages."""
+        each reason naming the message's deadline); how many. Runs beside deliveries, one queue
+        at a time: the lock is held for a scan of one queue's waiting messages, not all."""
+        with self._lock:
+            queues = sweepable(self._state)
+        moved = sum(self._sweep_queue(queue) for queue in queues)
+        if moved:
+            crash_point("cursor.after_sweep")
+            self._compaction.maybe()
+        return moved
+
+    def _sweep_queue(self, queue: str) -> int:
         self._gate.enter_shared()
         try:
             with self._lock:
                 now = self._clock()
-                found = expired_waiting(self._state, now)
+                found = expired_in(self._state, queue, now)
                 if found:
                     self._submit_many_locked([
                         {"k": "W", "i": [key], "r": expiry_reason(deadline, now)}
@@ -151,9 +163,6 @@ class QueueOps:
                     self.changed.notify_all()
         finally:
             self._gate.exit_shared()
-        if found:
-            crash_point("cursor.after_sweep")
-            self._compaction.maybe()
         return len(found)
 
     def remove_message(self, queue: str, message_id: str, action: str, why: str = "") -> str:
