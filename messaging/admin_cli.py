@@ -1,5 +1,7 @@
 """``twopc subscription``, ``twopc dlq`` and ``twopc queue``: a cursor's administration from the
-command line (subscriptions, JMS; dead letters and non-transactional queues, MSMQ).
+command line (subscriptions, JMS; dead letters and non-transactional queues, MSMQ; queue depths
+and taking one waiting message out of a queue its consumers cannot get past). ``twopc stats``
+(`stats_cli`) is registered here too.
 
 Each command works **online** (``--connect HOST:PORT``, with the secret and TLS flags of
 ``twopc serve``) against a running ``twopc serve cursor``, through `RemoteCursor`, or **offline**
@@ -29,18 +31,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 from coordinator.cli_output import cell as _cell
 from coordinator.cli_output import emit_json as _json
 from coordinator.cli_output import table, when
-from coordinator.errors import ConfigurationError, LogLockedError
+from coordinator.errors import ConfigurationError, IllegalStateError, LogLockedError
 from resource_managers.cursor import (
+    DEAD_LETTER,
     DEFAULT_MAX_DELIVERIES,
     DLQ_SUFFIX,
+    DROP,
     TOPIC_PREFIX,
     Cursor,
     Delivery,
+    QueueDepth,
     Subscription,
 )
 
+from . import stats_cli
 from .auth import AuthError, TlsConfig
-from .cli import secret_from
+from .cli import client_flags, secret_from
 from .connection import parse_address
 
 if TYPE_CHECKING:
@@ -57,13 +63,17 @@ class AdminTarget(Protocol):
     def replay_dead_letters(self, dlq: str, ids: list[str] | None = None) -> int: ...
     def purge_dead_letters(self, dlq: str, ids: list[str] | None = None) -> int: ...
     def set_transactional(self, queue: str, transactional: bool) -> None: ...
+    def queues(self) -> list[QueueDepth]: ...
+    def remove_message(self, queue: str, message_id: str, action: str, why: str = "") -> str: ...
 
 
 def register(sub: Any) -> None:
-    """Add the ``subscription``, ``dlq`` and ``queue`` command groups."""
+    """Add the ``subscription``, ``dlq`` and ``queue`` command groups, and ``stats``
+    (`stats_cli`)."""
     _register_subscription(sub)
     _register_dlq(sub)
     _register_queue(sub)
+    stats_cli.register(sub)
 
 
 def _register_subscription(sub: Any) -> None:
@@ -103,7 +113,7 @@ def _register_dlq(sub: Any) -> None:
 
 
 def _register_queue(sub: Any) -> None:
-    group = sub.add_parser("queue", help="queue settings of a cursor")
+    group = sub.add_parser("queue", help="a cursor's queues: depth, settings, one message out")
     cmds = group.add_subparsers(dest="queue_command", required=True)
     mark = cmds.add_parser(
         "set-transactional",
@@ -113,19 +123,29 @@ def _register_queue(sub: Any) -> None:
     mark.add_argument("queue")
     mark.add_argument("transactional", choices=("true", "false"))
     mark.set_defaults(func=cmd_queue_set_transactional)
-    _target(mark)
+    listing = cmds.add_parser("list", help="every queue's depth: waiting, in flight, dead letters")
+    listing.set_defaults(func=cmd_queue_list)
+    drop = cmds.add_parser(
+        "drop", help="delete one waiting message for good, so its queue moves past it"
+    )  # fmt: skip
+    dead = cmds.add_parser(
+        "dead-letter", help="move one waiting message to the queue's DLQ, so its queue moves on"
+    )  # fmt: skip
+    for p, action in ((drop, DROP), (dead, DEAD_LETTER)):
+        p.add_argument("queue", help="the destination (or subscription queue; for drop, a DLQ)")
+        p.add_argument("message_id", metavar="MSGID")
+        p.set_defaults(func=cmd_queue_remove, action=action)
+    dead.add_argument("--why", default="", help="recorded in the dead-letter reason")
+    drop.set_defaults(why="")
+    for p in (mark, listing, drop, dead):
+        _target(p)
 
 
 def _target(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--connect", metavar="HOST:PORT", help="a running twopc serve cursor")
     where.add_argument("--dir", help="the cursor's directory (offline: no server running)")
-    p.add_argument("--secret-file", help="file holding the shared secret (or TWOPC_SECRET)")
-    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
-    p.add_argument("--tls-cert", help="PEM client certificate, if the server asks for one")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-server-name", help="the name the server's certificate carries")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (online)")
+    client_flags(p)
     p.add_argument(
         "--max-deliveries", type=int, default=DEFAULT_MAX_DELIVERIES,
         help="offline: what the server uses (opening rolls back branches a crash left handed "
@@ -307,4 +327,36 @@ def cmd_queue_set_transactional(args: argparse.Namespace) -> int:
         _json({"queue": args.queue, "transactional": transactional})
     else:
         print(f"{args.queue} is {'' if transactional else 'non-'}transactional")
+    return 0
+
+
+_QUEUE_COLUMNS = ("queue", "available", "in_flight", "dead_letters", "transactional")
+
+
+def cmd_queue_list(args: argparse.Namespace) -> int:
+    with open_cursor(args) as cursor:
+        found = cursor.queues()
+    rows = [[getattr(q, c) for c in _QUEUE_COLUMNS] for q in found]
+    if args.json:
+        _json([dict(zip(_QUEUE_COLUMNS, row, strict=True)) for row in rows])
+    else:
+        print(table(_QUEUE_COLUMNS, [[_cell(v) for v in row] for row in rows]))
+    return 0
+
+
+def cmd_queue_remove(args: argparse.Namespace) -> int:
+    """Drop or dead-letter one waiting message. What that means for order: the queue's
+    consumers receive the next message at once; a dead-lettered one, replayed later, comes
+    back at the tail, after everything sent since (docs/operations.md)."""
+    with open_cursor(args) as cursor:
+        try:
+            queue = cursor.remove_message(args.queue, args.message_id, args.action, args.why)
+        except IllegalStateError as exc:  # not waiting there: something to look at, as `dlq`
+            print(f"twopc: [{exc.code}] {exc.message}", file=sys.stderr)
+            return 1
+    done = "dropped" if args.action == DROP else f"dead-lettered to {queue}{DLQ_SUFFIX}"
+    if args.json:
+        _json({"queue": queue, "id": args.message_id, "action": args.action})
+    else:
+        print(f"{done}: {args.message_id} of {queue}")
     return 0

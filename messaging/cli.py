@@ -26,10 +26,12 @@ from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES
 
 from .auth import SharedSecret, TlsConfig
 from .connection import parse_address
+from .expiry import DEFAULT_SWEEP_INTERVAL
 from .routes import parse_route
 from .topics import DEFAULT_DISPATCH_WORKERS
 
 if TYPE_CHECKING:
+    from .metrics import MetricsEndpoint
     from .server import CursorServer, LogServer
 
 _Server = TypeVar("_Server")
@@ -77,6 +79,11 @@ def register(sub: Any) -> None:
         "--dispatch-workers", type=int, default=DEFAULT_DISPATCH_WORKERS,
         help="topic dispatcher threads (0: no topic dispatch; publications wait)",
     )  # fmt: skip
+    cur_p.add_argument(
+        "--expiry-sweep", type=float, default=DEFAULT_SWEEP_INTERVAL, metavar="SECONDS",
+        help="move expired messages from anywhere in a queue to its DLQ this often (0: only "
+        "at the head of a queue, when a consumer receives)",
+    )  # fmt: skip
     cur_p.set_defaults(func=run_cursor)
 
 
@@ -94,6 +101,21 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
         help="OpenTelemetry spans for the messages that carry a trace (the otel extra; the "
         "tracer provider is configured the OpenTelemetry way, e.g. opentelemetry-instrument)",
     )
+    p.add_argument(
+        "--metrics", metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (prometheus_client's server "
+        "with the metrics extra, else a stdlib one; same names)",
+    )  # fmt: skip
+
+
+def client_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that talks to a running server: secret, TLS, timeout."""
+    p.add_argument("--secret-file", help="file holding the shared secret (or TWOPC_SECRET)")
+    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: use TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate, if the server asks for one")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", help="the name the server's certificate carries")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (online)")
 
 
 def secret_from(args: argparse.Namespace) -> SharedSecret:
@@ -117,19 +139,45 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
 
 
 def _serve_until_signalled(
-    server: LogServer | CursorServer, address: object, notice: str = ""
-) -> int:
+    server: LogServer | CursorServer, address: object, notice: str = "",
+    metrics: MetricsEndpoint | None = None,
+) -> int:  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with server:
-        host, port = address if isinstance(address, tuple) else ("?", "?")
-        print(f"listening on {host}:{port}", flush=True)
-        if notice:
-            print(notice, flush=True)
-        stop.wait()
+    try:
+        with server:
+            host, port = address if isinstance(address, tuple) else ("?", "?")
+            print(f"listening on {host}:{port}", flush=True)
+            if notice:
+                print(notice, flush=True)
+            if metrics is not None:
+                metrics.start()
+                mhost, mport = metrics.address
+                print(f"metrics on http://{mhost}:{mport}/metrics", flush=True)
+            stop.wait()
+    finally:
+        if metrics is not None:
+            metrics.close()
     print("stopped", flush=True)
     return 0
+
+
+def _metrics_endpoint(
+    args: argparse.Namespace, server: LogServer | CursorServer
+) -> MetricsEndpoint | None:
+    """The ``--metrics`` endpoint, bound now: a port in use closes the server and is one line."""
+    if not args.metrics:
+        return None
+    from .metrics import MetricsEndpoint  # noqa: PLC0415
+
+    address = parse_address(args.metrics)
+    try:
+        return MetricsEndpoint(address, server.families)
+    except OSError as exc:
+        server.close()
+        why = _BIND_ERRORS.get(exc.errno or 0, exc.strerror or str(exc))
+        raise ConfigurationError(f"cannot serve metrics on {args.metrics}: {why}") from exc
 
 
 def _built(args: argparse.Namespace, build: Callable[[], _Server]) -> _Server:
@@ -174,13 +222,16 @@ def run_log(args: argparse.Namespace) -> int:
     ))  # fmt: skip
     mlog = server.mlog  # the cursor keeps this log's streams under its identity
     notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
-    return _serve_until_signalled(server, server.address, notice)
+    metrics = _metrics_endpoint(args, server)
+    return _serve_until_signalled(server, server.address, notice, metrics)
 
 
 def run_cursor(args: argparse.Namespace) -> int:
     from .server import CursorServer  # noqa: PLC0415
 
     tls = _tls(args)
+    if args.expiry_sweep < 0:
+        raise ConfigurationError("--expiry-sweep must be >= 0 seconds (0: no sweep)")
     server = _built(args, lambda: CursorServer(
         args.dir,
         secret_from(args),
@@ -190,5 +241,6 @@ def run_cursor(args: argparse.Namespace) -> int:
         max_deliveries=args.max_deliveries,
         dispatch_workers=args.dispatch_workers,
         precount=args.precount,
+        sweep_interval=args.expiry_sweep or None,
     ))  # fmt: skip
-    return _serve_until_signalled(server, server.address)
+    return _serve_until_signalled(server, server.address, metrics=_metrics_endpoint(args, server))

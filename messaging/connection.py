@@ -209,6 +209,12 @@ class Listener:
     def roles(self) -> Collection[str]:
         return self.handlers.keys()
 
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet ended (handshakes in progress included)."""
+        with self._lock:
+            return len(self._live)
+
     def start(self) -> Listener:
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"twopc-accept-{self.address[1]}", daemon=True

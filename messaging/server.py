@@ -42,6 +42,8 @@ from resource_managers.sequencing import DoublingBackoff
 
 from .auth import SharedSecret
 from .connection import INTERNAL_ERRORS, Address, Connection, Handler, Listener, connect
+from .expiry import DEFAULT_SWEEP_INTERVAL, ExpirySweeper
+from .metrics import Family, cursor_families, log_families, to_value
 from .remote import CONSUMER_ROLE, PRODUCER_ROLE, ConsumerService, ProducerService
 from .routes import Route, Router
 from .topics import DEFAULT_DISPATCH_WORKERS, TopicDispatcher
@@ -110,6 +112,7 @@ class LogServer:
         self.transfer = self.transfers[cursor]
         self.listener: Listener | None = None
         self.service = ProducerService(self.mlog)
+        self.service.stats_source = lambda: to_value(self.families())
         try:
             if listen is not None:
                 handlers = {PRODUCER_ROLE: self.service}
@@ -127,6 +130,12 @@ class LogServer:
         """Defects met while serving (``internal-error`` sent, traceback logged); 0 is healthy."""
         listener = 0 if self.listener is None else self.listener.stats[INTERNAL_ERRORS]
         return listener + self.service.stats[INTERNAL_ERRORS]
+
+    def families(self) -> list[Family]:
+        """The metrics of this server, read now (`messaging.metrics`)."""
+        return log_families(
+            self.mlog, self.transfers, self.listener, self.service.stats[INTERNAL_ERRORS]
+        )
 
     def wait_idle(self, timeout: float) -> bool:
         """Every transfer's `LogTransfer.wait_idle`: nothing unacknowledged for any cursor."""
@@ -180,6 +189,7 @@ class CursorServer:
         resource_name: str = "cursor",
         dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
         precount: int = DEFAULT_PRECOUNT,
+        sweep_interval: float | None = DEFAULT_SWEEP_INTERVAL,
     ) -> None:
         self.cursor = Cursor(directory, max_deliveries=max_deliveries, precount=precount)
         self.resource = CursorResource(self.cursor, resource_name, max_deliveries)
@@ -191,6 +201,9 @@ class CursorServer:
                 TopicDispatcher(self.cursor, dispatch_workers) if dispatch_workers > 0 else None
             )
             self.service = ConsumerService(self.cursor, max_deliveries)
+            self.service.stats_source = lambda: to_value(self.families())
+            #: the periodic expiry sweep (None: ``sweep_interval`` None or 0, receives only)
+            self.sweeper = ExpirySweeper(self.cursor, sweep_interval) if sweep_interval else None
             handlers: dict[str, Handler] = {
                 TRANSFER_ROLE: self.receiver,
                 CONSUMER_ROLE: self.service,
@@ -209,10 +222,20 @@ class CursorServer:
         """Defects met while serving (``internal-error`` sent, traceback logged); 0 is healthy."""
         return self.listener.stats[INTERNAL_ERRORS] + self.service.stats[INTERNAL_ERRORS]
 
+    def families(self) -> list[Family]:
+        """The metrics of this server, read now (`messaging.metrics`)."""
+        return cursor_families(
+            self.cursor, self.receiver, self.listener, self.service.stats[INTERNAL_ERRORS],
+            topics=self.topics, sweeper=self.sweeper,
+        )  # fmt: skip
+
     def start(self) -> CursorServer:
-        """Start the topic dispatcher (its recovery runs first, on its own thread), then serve."""
+        """Start the topic dispatcher (its recovery runs first, on its own thread) and the
+        expiry sweep, then serve."""
         if self.topics is not None:
             self.topics.start()
+        if self.sweeper is not None:
+            self.sweeper.start()
         self.listener.start()
         return self
 
@@ -221,6 +244,8 @@ class CursorServer:
         publication the dispatcher could not finish stays in doubt for the next start."""
         try:
             self.listener.close()
+            if self.sweeper is not None:
+                self.sweeper.stop()
             if self.topics is not None:
                 log.info("topic dispatch stopped: %s", self.topics.stop())
         finally:

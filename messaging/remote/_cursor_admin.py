@@ -17,10 +17,19 @@ from typing import TypeVar
 from coordinator.errors import IllegalStateError, OutcomeUnknownError
 from messaging.connection import Connection
 from messaging.frames import FrameType, Value
-from resource_managers.cursor import Delivery, Subscription
+from resource_managers.cursor import Delivery, QueueDepth, Subscription
 
 from ._pool import _alive
-from ._replies import Result, _dead_letters, _flag, _number, _subscription, _subscriptions
+from ._replies import (
+    Result,
+    _dead_letters,
+    _flag,
+    _number,
+    _queues,
+    _subscription,
+    _subscriptions,
+    _text,
+)
 from ._resource import _Lost, _RemoteResource, _Unsent
 from .protocol import RemoteUnavailable
 
@@ -146,6 +155,15 @@ class CursorAdmin(_RemoteResource):
 
     def is_transactional(self, queue: str) -> bool:
         return self._admin("is_transactional", {"queue": queue}, _flag, idempotent=True)
+
+    def queues(self) -> list[QueueDepth]:
+        """Every queue's depth: waiting, handed out or prepared, dead letters."""
+        return self._admin("queues", {}, _queues, idempotent=True)
+
+    def remove_message(self, queue: str, message_id: str, action: str, why: str = "") -> str:
+        """Drop or dead-letter one waiting message (`Cursor.remove_message`); its queue."""
+        args: dict[str, Value] = {"queue": queue, "id": message_id, "action": action, "why": why}
+        return self._admin("remove_message", args, _text("queue"), idempotent=False)
 
     def _admin(
         self, op: str, args: dict[str, Value], decode: Callable[[Result], T], *, idempotent: bool

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 from coordinator.resource import Outcome, Vote
 from messaging.frames import Value
-from resource_managers.cursor import Delivery, Subscription
+from resource_managers.cursor import Delivery, QueueDepth, Subscription
 from resource_managers.message_log import InvalidMessageError
 
 from .protocol import (
@@ -90,6 +90,26 @@ def _number(key: str) -> Callable[[Result], int]:
         return value
 
     return decode
+
+
+def _text(key: str) -> Callable[[Result], str]:
+    def decode(result: Result) -> str:
+        value = result[key]
+        if not isinstance(value, str):
+            raise _Bad(f"{key} must be a string")
+        return value
+
+    return decode
+
+
+def _queues(result: Result) -> list[QueueDepth]:
+    values = result["queues"]
+    if not isinstance(values, list):
+        raise _Bad("queues must be a list")
+    try:
+        return [QueueDepth(**v) for v in values]
+    except TypeError as exc:
+        raise _Bad(f"a bad queue row: {exc}") from exc
 
 
 def _flag(result: Result) -> bool:

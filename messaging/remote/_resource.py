@@ -289,3 +289,10 @@ class _RemoteResource:
 
     def forget(self, xid: Xid) -> None:
         self._call(FrameType.XA_FORGET, self._check(xid), {}, lambda r: None, idempotent=True)
+
+    def server_stats(self) -> Value:
+        """The server's metric families (the ``stats`` op, which a log's and a cursor's
+        services both answer) as the frame value; `messaging.metrics.from_value` reads it."""
+        return self._call(
+            FrameType.XA_RECOVER, None, {"op": "stats"}, lambda r: r["families"], idempotent=True
+        )

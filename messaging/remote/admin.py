@@ -28,11 +28,20 @@ op                      args                                    result
 ``purge_dead_letters``  ``dlq, ids: [id] | None``               ``count: n``
 ``set_transactional``   ``queue, transactional``                ``{}``
 ``is_transactional``    ``queue``                               ``transactional: bool``
+``queues``              (none)                                  ``queues: [{queue, available,
+                                                                in_flight, dead_letters,
+                                                                transactional}]``
+``remove_message``      ``queue, id, action: "drop" |           ``queue``
+                        "dead-letter", why``
+``stats``               (none; the log's service answers it     ``families``
+                        too)                                    (`messaging.metrics`)
 ======================= ======================================= ==============================
+
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -42,7 +51,7 @@ from collections.abc import Callable, Mapping
 from coordinator.errors import IllegalStateError, TransactionError
 from messaging.connection import Connection
 from messaging.frames import Value
-from resource_managers.cursor import Cursor
+from resource_managers.cursor import DEAD_LETTER, DROP, Cursor
 
 from .protocol import (
     BadRequestError,
@@ -83,6 +92,8 @@ class CursorAdmin:
             "purge_dead_letters": self._purge,
             "set_transactional": self._set_transactional,
             "is_transactional": self._is_transactional,
+            "queues": self._queues,
+            "remove_message": self._remove_message,
         }
 
     def answer(self, op: str, args: Mapping[str, Value], token: int, conn: Connection) -> Result:
@@ -174,6 +185,16 @@ class CursorAdmin:
 
     def _is_transactional(self, args: Mapping[str, Value], token: int, conn: Connection) -> Result:
         return {"transactional": self.cursor.is_transactional(arg_str(args, "queue"))}
+
+    def _queues(self, args: Mapping[str, Value], token: int, conn: Connection) -> Result:
+        return {"queues": [dataclasses.asdict(q) for q in self.cursor.queues()]}
+
+    def _remove_message(self, args: Mapping[str, Value], token: int, conn: Connection) -> Result:
+        queue, mid = arg_str(args, "queue"), arg_str(args, "id")
+        action, why = arg_str(args, "action"), arg_opt_str(args, "why") or ""
+        if action not in (DROP, DEAD_LETTER):
+            raise BadRequestError(f"action must be {DROP!r} or {DEAD_LETTER!r}, not {action!r}")
+        return {"queue": self.cursor.remove_message(queue, mid, action, why)}
 
 
 def _keepalive(conn: Connection) -> None:

@@ -97,7 +97,12 @@ ADMIN_ARGS: dict[str, frozenset[str]] = {
     "purge_dead_letters": frozenset({"dlq", "ids"}),
     "set_transactional": frozenset({"queue", "transactional"}),
     "is_transactional": frozenset({"queue"}),
+    "queues": frozenset(),
+    "remove_message": frozenset({"queue", "id", "action", "why"}),
+    "stats": frozenset(),
 }
+#: the op both services answer (the log's producer service has no other): the server's metrics
+STATS_OP = "stats"
 
 
 def check_arg_keys(verb: FrameType, args: Mapping[str, Value], allowed: frozenset[str]) -> None:

@@ -31,6 +31,7 @@ COMMIT   ``rm, one_phase, messages`` (one-phase)     ``outcome: None | "heuristi
 ROLLBACK ``rm``                                      ``outcome``
 RECOVER  ``rm`` (no xid)                             ``xids: [gid]``
 FORGET   ``rm``                                      ``{}``
+RECOVER  ``rm, op: "stats"`` (no xid)                ``families`` (`messaging.metrics`)
 ======== =========================================== =========================================
 
 ======== =========================================== =========================================
@@ -93,6 +94,7 @@ from .protocol import (
     MAX_RECEIVE_WAIT,
     PRODUCER_ARGS,
     PRODUCER_ROLE,
+    STATS_OP,
     BadRequestError,
     BranchLost,
     arg_bool,
@@ -138,6 +140,8 @@ class _Service(Generic[R]):
         self._resources: dict[str, R] = {}
         #: ``internal_errors``: requests that failed with a non-twopc exception (a defect)
         self.stats: Counter[str] = Counter()
+        #: the server's metric families as a frame value, for the ``stats`` op (set by the server)
+        self.stats_source: Callable[[], Value] | None = None
 
     def _make(self, name: str) -> R:
         raise NotImplementedError
@@ -235,9 +239,17 @@ class _Service(Generic[R]):
         return {"outcome": outcome_to_value(r.rollback(xid))}
 
     def _recover(self, r: R, xid: None, args: Mapping[str, Value], opened: Open) -> Result:
+        if args.get("op") == STATS_OP:
+            return self._stats()
         if "op" in args:
-            raise BadRequestError(f"the {self.role} service has no administrative ops")
+            raise BadRequestError(f"the {self.role} service has no administrative ops but stats")
         return {"xids": [x.to_gid() for x in r.recover()]}
+
+    def _stats(self) -> Result:
+        """The ``stats`` op, which both services answer: the server's metric families."""
+        if self.stats_source is None:
+            raise BadRequestError(f"this {self.role} service has no stats (not a twopc server)")
+        return {"families": self.stats_source()}
 
     def _forget(self, r: R, xid: Xid, args: Mapping[str, Value], opened: Open) -> Result:
         r.forget(xid)
@@ -257,6 +269,8 @@ class ProducerService(_Service[MessageLogResource]):
         return MessageLogResource(self.mlog, name)
 
     def _arg_keys(self, request: XaRequest) -> frozenset[str]:
+        if request.verb == FrameType.XA_RECOVER and request.args.get("op") == STATS_OP:
+            return ADMIN_ARGS[STATS_OP] | {"op"}
         return PRODUCER_ARGS[request.verb]
 
     def _verbs(
@@ -364,7 +378,7 @@ class ConsumerService(_Service[CursorResource]):
     def _recover_or_admin(
         self, r: CursorResource, xid: None, args: Mapping[str, Value], opened: Open
     ) -> Result:
-        if "op" not in args:
+        if "op" not in args or args["op"] == STATS_OP:
             return self._recover(r, xid, args, opened)
         return self.admin.answer(arg_str(args, "op"), args, id(opened), opened.conn)
 

@@ -259,7 +259,10 @@ class LogTransfer:
         more = False
         with self._lock:
             for name, sender in self._senders.items():
+                sent_before = sender.highest_sent  # a frame numbered at or below: a resend
                 tick = sender.tick(now, self.batch, self.max_in_flight)
+                if tick.frames and tick.frames[0].seq <= sent_before:
+                    self.stats["resends"] += sum(f.seq <= sent_before for f in tick.frames)
                 if tick.expired:
                     drops.append((name, sender.epoch, [e.seq for e in tick.expired]))
                     self.stats["expired"] += len(tick.expired)

@@ -16,6 +16,7 @@ from ._cursor import (
     journal_replay,
 )
 from ._precount import DEFAULT_PRECOUNT
+from ._queues import DEAD_LETTER, DROP, QueueDepth
 from ._records import DLQ_SUFFIX
 from ._state import NACK_HEADER
 from ._topics import (
@@ -31,9 +32,11 @@ from ._topics import (
 from .resource import ConsumerBranch, CursorResource
 
 __all__ = [
+    "DEAD_LETTER",
     "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_PRECOUNT",
     "DLQ_SUFFIX",
+    "DROP",
     "NACK_HEADER",
     "TOPIC_PREFIX",
     "BranchRolledBack",
@@ -43,6 +46,7 @@ __all__ = [
     "CursorStats",
     "Delivery",
     "LogFencedError",
+    "QueueDepth",
     "Subscription",
     "TopicPublication",
     "is_subscription_queue",

@@ -75,6 +75,7 @@ from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter, str
 
 from . import _precount
 from ._precount import DEFAULT_PRECOUNT
+from ._queues import QueueOps, expiry_reason
 from ._records import DLQ_SUFFIX, decode, encode, message_obj
 from ._state import Credit, CursorState, Entry, SubscriptionState
 from ._topics import (
@@ -183,7 +184,7 @@ class _Reserved:
     granted: Credit | None
 
 
-class Cursor:
+class Cursor(QueueOps):
     """Accepted messages in ``directory``, locked to this process. Thread-safe; a context manager.
 
     ``max_deliveries`` applies to the branches found handed out (not prepared) at open, which are
@@ -577,9 +578,12 @@ class Cursor:
             )
         now = self._clock()
         expired = self._state.expired_head(queue, now)
-        if expired:
-            reason = f"expired: its time to live ran out before delivery (seen at {now} ms)"
-            self._submit_locked({"k": "W", "i": expired, "r": reason}, force=False)
+        if expired:  # one record each: each reason names its message's deadline
+            deadlines = [self._state.entries[key].message.expires_at or 0 for key in expired]
+            self._submit_many_locked([
+                {"k": "W", "i": [key], "r": expiry_reason(deadline, now)}
+                for key, deadline in zip(expired, deadlines, strict=True)
+            ])  # fmt: skip
         ids = list(itertools.islice(self._state.available.get(queue, ()), max_messages))
         if not ids:
             return None

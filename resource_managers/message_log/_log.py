@@ -42,6 +42,7 @@ from coordinator.journal import (
     FileOps,
     Gate,
     Journal,
+    JournalStats,
     LazyWatch,
 )
 
@@ -559,6 +560,15 @@ class MessageLog:
                 len(self._state.prepared) + len(self._volatile_prepared),
                 len(self._state.tombstones), pending, len(self._state.streams),
             )  # fmt: skip
+
+    def journal_stats(self) -> JournalStats:
+        """The journal's counters (records, fsyncs, bytes written, rollovers), for metrics."""
+        return self._journal.stats()
+
+    def pending_counts(self) -> dict[str, int]:
+        """Committed unacknowledged messages per stream (the streams that have any)."""
+        with self._lock:
+            return {n: len(s.messages) for n, s in self._state.streams.items() if s.messages}
 
     def close(self) -> None:
         """Write lazy records (acknowledgments, tombstones, commits), fsync, release the lock."""

@@ -107,7 +107,13 @@ class Stack:
         context = self.tls.client_context() if self.tls is not None else None
         return RemoteCursor(("127.0.0.1", self.cursor_port), self.secret, tls=context, timeout=10)
 
-    def send(self, destination: str, *bodies: bytes, admin_queue: str | None = None) -> list[str]:
+    def send(
+        self,
+        destination: str,
+        *bodies: bytes,
+        admin_queue: str | None = None,
+        ttl: float | None = None,
+    ) -> list[str]:
         """Commit ``bodies`` to ``destination`` through the log server; their message ids."""
         context = self.tls.client_context() if self.tls is not None else None
         log = RemoteMessageLog(("127.0.0.1", self.log_port), self.secret, tls=context)
@@ -116,7 +122,8 @@ class Stack:
         try:
             with tm.transaction() as tx:
                 branch = tx.join(log)
-                return [branch.send(destination, b, admin_queue=admin_queue) for b in bodies]
+                return [branch.send(destination, b, ttl=ttl, admin_queue=admin_queue)
+                        for b in bodies]  # fmt: skip
         finally:
             tm.close()
             log.close()
