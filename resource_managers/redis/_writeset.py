@@ -63,14 +63,32 @@ class _Unknown:
 UNKNOWN: Final = _Unknown()
 
 #: A fact about one key: ("S", b"") its string, ("F", field), ("M", member) set membership,
-#: ("Z", member) sorted-set score, ("L", b"") list length.
+#: ("Z", member) sorted-set score, ("L", b"") list length, ("T", b"") time to live (TTL's
+#: answer), and whole collections: ("H", b"") every field of a hash, ("A", b"") every member of
+#: a set, ("R", b"") every item of a list.
 Query = tuple[str, bytes]
 STRING: Final[Query] = ("S", b"")
 LENGTH: Final[Query] = ("L", b"")
+TTL: Final[Query] = ("T", b"")
+HASH_ALL: Final[Query] = ("H", b"")
+SET_ALL: Final[Query] = ("A", b"")
+LIST_ALL: Final[Query] = ("R", b"")
 #: the number of fields or members of a hash, set or sorted set
 SIZE: Final[Query] = ("N", b"")
-_FACT_TYPE: Final = {"S": "string", "F": "hash", "M": "set", "Z": "zset", "L": "list"}
+_FACT_TYPE: Final = {
+    "S": "string",
+    "F": "hash",
+    "M": "set",
+    "Z": "zset",
+    "L": "list",
+    "H": "hash",
+    "A": "set",
+    "R": "list",
+}
 _EMPTY: Final[dict[str, Any]] = {"S": None, "F": None, "M": False, "Z": None, "L": 0, "N": 0}
+#: TTL's answer for a missing key, and for a key without a time to live
+NO_KEY_TTL: Final = -2
+NO_TTL: Final = -1
 _COLLECTIONS: Final = ("hash", "set", "zset")
 _REMOVALS: Final = ("HDEL", "SREM", "ZREM")
 
@@ -228,8 +246,13 @@ class View:
             return cls(None, dict.fromkeys(queries, UNKNOWN))
         facts = {}
         for q in queries:
+            if q == TTL:
+                known = base.kind != "none"
+                facts[q] = base.facts.get(q, UNKNOWN) if known else NO_KEY_TTL
+                continue
             matches = base.kind in _COLLECTIONS if q == SIZE else base.kind == _FACT_TYPE[q[0]]
-            facts[q] = base.facts.get(q, UNKNOWN) if matches else _EMPTY[q[0]]
+            # a copy: the replay changes a whole collection in place, the base stays as read
+            facts[q] = _copy(base.facts.get(q, UNKNOWN)) if matches else _empty(q, base.kind)
         return cls(base.kind, facts)
 
     def get(self, query: Query) -> Any:
@@ -240,10 +263,11 @@ class View:
             self.facts[query] = value
 
     def reset(self, kind: str | None) -> None:
-        """The key was replaced (SET, DEL): nothing of its old content is left."""
+        """The key was replaced (SET, DEL): nothing of its old content is left, nor its time to
+        live."""
         self.kind = kind
         for query in self.facts:
-            self.facts[query] = UNKNOWN if kind is None else _EMPTY[query[0]]
+            self.facts[query] = UNKNOWN if kind is None else _empty(query, kind)
 
     def require(self, kind: str) -> None:
         if self.kind not in (None, "none", kind):
@@ -254,14 +278,52 @@ class View:
 
     def answer(self, query: Query) -> Any:
         """The fact as a read would see it: WRONGTYPE if the key holds another type."""
+        if query == TTL:  # any type has one
+            return (
+                NO_KEY_TTL
+                if self.kind == "none"
+                else UNKNOWN
+                if self.kind is None
+                else self.get(query)
+            )
         wanted = _FACT_TYPE[query[0]]
         if self.kind == "none":
-            return _EMPTY[query[0]]
+            return _empty(query, "none")
         if self.kind is not None and self.kind != wanted:
             raise ResponseError(WRONGTYPE)
-        if self.kind is None and query[0] in ("S", "L"):
+        if self.kind is None and query[0] in "SLHAR":
             return UNKNOWN
+        if query[0] in "HA":
+            return self._whole(query)
         return self.get(query)
+
+    def _whole(self, query: Query) -> Any:
+        """Every field or member: what was read and not touched since, then the touched ones
+        as the replay left them (the per-member facts are exact, see `queries_for`)."""
+        rest = self.get(query)
+        if rest is UNKNOWN:
+            return UNKNOWN
+        member_kind = "F" if query == HASH_ALL else "M"
+        touched = {q[1]: v for q, v in self.facts.items() if q[0] == member_kind}
+        if UNKNOWN in touched.values():
+            return UNKNOWN
+        if query == HASH_ALL:
+            fields = {f: v for f, v in rest.items() if f not in touched}
+            fields.update({f: v for f, v in touched.items() if v is not None})
+            return fields
+        return {m for m in rest if m not in touched} | {m for m, v in touched.items() if v}
+
+
+def _empty(query: Query, kind: str | None) -> Any:
+    """A fact of a key that does not hold its type (or was just replaced by ``kind``)."""
+    if query == TTL:
+        return NO_KEY_TTL if kind == "none" else NO_TTL
+    whole = {"H": dict, "A": set, "R": list}.get(query[0])
+    return whole() if whole is not None else _EMPTY[query[0]]
+
+
+def _copy(value: Any) -> Any:
+    return type(value)(value) if isinstance(value, dict | set | list) else value
 
 
 def result_queries(op: Op) -> list[Query]:
@@ -295,7 +357,18 @@ def queries_for(ops: Sequence[Op], queries: Iterable[Query]) -> list[Query]:
         wanted.append(SIZE)
         for op in ops:
             wanted += [q for q in result_queries(op) if q[0] in "FMZ"]
+    if HASH_ALL in wanted or SET_ALL in wanted:  # a whole collection: every touched member too
+        for op in ops:
+            wanted += [q for q in result_queries(op) if q[0] in "FM"]
     return list(dict.fromkeys(wanted))
+
+
+def list_range(items: list[Any], start: int, end: int) -> list[Any]:
+    """``LRANGE``'s slice: both ends inclusive, negative counted from the end, clamped."""
+    length = len(items)
+    start = max(length + start, 0) if start < 0 else start
+    end = min(length + end if end < 0 else end, length - 1)
+    return items[start : end + 1] if start <= end else []
 
 
 def replay(ops: Iterable[Op], queries: Iterable[Query], base: Base | None) -> View:
@@ -341,6 +414,9 @@ def step(view: View, op: Op) -> Any:
                 return None
         view.reset("string")
         view.put(STRING, args[0])
+        flags = args[1:]  # the value is first: it may itself read b"EX"
+        if len(flags) >= 2 and flags[-2] in (b"EX", b"PX"):
+            view.put(TTL, _ttl_seconds(flags[-2], int(flags[-1])))
         return True
     if cmd == "DEL":
         existed = view.exists()
@@ -350,18 +426,33 @@ def step(view: View, op: Op) -> Any:
         existed = view.exists()
         if op.expire_seconds() <= 0:  # Redis deletes the key at once
             view.reset("none")
+        elif existed is UNKNOWN or existed:  # counted from the commit, where it is applied
+            view.put(TTL, UNKNOWN if existed is UNKNOWN else op.expire_seconds())
         return existed
     if cmd == "INCRBY":
-        view.require("string")
-        current = None if view.kind == "none" else view.get(STRING)
-        if view.kind is None:
-            current = UNKNOWN
-        new = _add_int(current, int(args[0]), NOT_INTEGER)
-        if view.kind != "string":
-            view.reset("string")
-        view.put(STRING, UNKNOWN if new is UNKNOWN else str(new).encode())
-        return new
+        return _incrby(view, int(args[0]))
     return _collection_step(view, op)
+
+
+def _incrby(view: View, amount: int) -> Any:
+    """INCRBY: the new value; a string keeps its time to live, a new key has none."""
+    view.require("string")
+    current = None if view.kind == "none" else view.get(STRING)
+    if view.kind is None:
+        current = UNKNOWN
+    new = _add_int(current, amount, NOT_INTEGER)
+    if view.kind != "string":
+        unknown = view.kind is None  # a string then, whose TTL INCRBY keeps, or no key
+        view.reset("string")
+        if unknown:
+            view.put(TTL, UNKNOWN)
+    view.put(STRING, UNKNOWN if new is UNKNOWN else str(new).encode())
+    return new
+
+
+def _ttl_seconds(unit: bytes, number: int) -> int:
+    """What TTL answers right after ``SET ... EX|PX number``: Redis rounds milliseconds."""
+    return number if unit == b"EX" else (number + 500) // 1000
 
 
 def _counted(view: View, existed: Any, adding: bool) -> Any:
@@ -385,26 +476,40 @@ def _after_removal(view: View) -> None:
         view.reset("none")
 
 
+def _remove(view: View, op: Op) -> Any:
+    """HDEL, SREM, ZREM on a key that exists (or may): how many members went."""
+    query_kind = {"HDEL": "F", "SREM": "M", "ZREM": "Z"}[op.cmd]
+    gone = []
+    for member in op.args:
+        query = (query_kind, member)
+        before = view.get(query)
+        # identity, not equality: a score of 0.0 == False, and it exists
+        existed = UNKNOWN if before is UNKNOWN else before is not None and before is not False
+        gone.append(_counted(view, existed, adding=False))
+        view.put(query, False if query_kind == "M" else None)
+    _after_removal(view)
+    return _count(gone)
+
+
+def _push(items: Any, cmd: str, args: tuple[bytes, ...]) -> None:
+    """A push on the whole list, when the overlay holds it: ``LPUSH a b`` puts b first."""
+    if isinstance(items, list):
+        if cmd == "LPUSH":
+            items[:0] = reversed(args)
+        else:
+            items += args
+
+
 def _collection_step(view: View, op: Op) -> Any:  # noqa: PLR0912
     cmd, args = op.cmd, op.args
     kind = {"H": "hash", "S": "set", "Z": "zset", "L": "list", "R": "list", "X": "stream"}[cmd[0]]
     view.require(kind)
     was_none = view.kind == "none"
     if cmd in _REMOVALS:
-        if was_none:
-            return 0
-        query_kind = {"HDEL": "F", "SREM": "M", "ZREM": "Z"}[cmd]
-        gone = []
-        for member in args:
-            query = (query_kind, member)
-            before = view.get(query)
-            # identity, not equality: a score of 0.0 == False, and it exists
-            existed = UNKNOWN if before is UNKNOWN else before is not None and before is not False
-            gone.append(_counted(view, existed, adding=False))
-            view.put(query, False if query_kind == "M" else None)
-        _after_removal(view)
-        return _count(gone)
+        return 0 if was_none else _remove(view, op)
     view.kind = kind  # the others create the key; a wrong type is caught above or at prepare
+    if was_none:  # a key created now has no time to live
+        view.put(TTL, NO_TTL)
     if cmd == "HSET":
         new = []
         for name, value in zip(args[0::2], args[1::2], strict=True):
@@ -449,5 +554,6 @@ def _collection_step(view: View, op: Op) -> Any:  # noqa: PLR0912
         length = view.get(LENGTH)
         length = UNKNOWN if length is UNKNOWN else length + len(args)
         view.put(LENGTH, length)
+        _push(view.get(LIST_ALL), cmd, args)
         return length
     return None  # XADD: the id is assigned when the commit script runs
