@@ -25,9 +25,11 @@ from redis.exceptions import ResponseError
 
 from coordinator import IllegalStateError, ProgrammingError, Xid
 
+from . import _overlay as ov
 from . import _writeset as ws
 from ._errors import UnsupportedCommandError
-from ._writeset import STRING, UNKNOWN, Base, Op, Query
+from ._overlay import STRING, UNKNOWN, Base, Query
+from ._writeset import Op
 
 
 class BranchHost(Protocol):
@@ -191,7 +193,7 @@ class RedisBranch:
         """Seconds left, -1 for a key without a time to live, -2 for a missing key. A time to
         live this branch set (``expire``, ``setex``, ``set(ex=...)``) is answered as given:
         it starts counting when the branch commits."""
-        return int(self._read(name, ws.TTL))
+        return int(self._read(name, ov.TTL))
 
     def expire(self, name: Any, time: Any) -> bool | None:
         """Buffer an EXPIRE in seconds; the time to live starts when the branch commits."""
@@ -227,7 +229,7 @@ class RedisBranch:
         ]
 
     def hgetall(self, name: Any) -> dict[Any, Any]:
-        result: dict[Any, Any] = self._read(name, ws.HASH_ALL)
+        result: dict[Any, Any] = self._read(name, ov.HASH_ALL)
         return result
 
     def hdel(self, name: Any, *keys: Any) -> int | None:
@@ -253,7 +255,7 @@ class RedisBranch:
         return int(bool(self._read(name, ("M", ws.encode(value)))))
 
     def smembers(self, name: Any) -> builtins.set[Any]:
-        result: builtins.set[Any] = self._read(name, ws.SET_ALL)
+        result: builtins.set[Any] = self._read(name, ov.SET_ALL)
         return result
 
     def zadd(self, name: Any, mapping: Mapping[Any, Any]) -> int | None:
@@ -289,7 +291,7 @@ class RedisBranch:
         if self._untouched(key):
             items = self._resource.read_command(["LRANGE", key, start, end])
             return [self._resource.decode(item) for item in items]
-        return ws.list_range(self._read_key(key, ws.LIST_ALL), start, end)
+        return ov.list_range(self._read_key(key, ov.LIST_ALL), start, end)
 
     def xadd(self, name: Any, fields: Mapping[Any, Any], id: Any = "*") -> None:
         """Buffer an XADD. Returns None: with ``id="*"`` Redis assigns the id when the commit
@@ -354,20 +356,20 @@ class RedisBranch:
         """``asked`` of a key the branch has touched: its ops replayed over what the branch
         knows of the server's value, which is read (once, in one call) if that is not enough."""
         ops = self._by_key.get(key, [])
-        queries = ws.queries_for(ops, asked)
-        view = ws.replay(ops, queries, self._cached(key, queries))
+        queries = ov.queries_for(ops, asked)
+        view = ov.replay(ops, queries, self._cached(key, queries))
         answers = [view.answer(query) for query in asked]
         if any(answer is UNKNOWN for answer in answers):
-            view = ws.replay(ops, queries, self._load(key, queries, watch=False))
+            view = ov.replay(ops, queries, self._load(key, queries, watch=False))
             answers = [view.answer(query) for query in asked]
         return answers
 
     def _exists(self, key: bytes) -> int:
         ops = self._by_key.get(key, [])
-        queries = ws.queries_for(ops, [])
-        existed = ws.replay(ops, queries, self._cached(key, queries)).exists()
+        queries = ov.queries_for(ops, [])
+        existed = ov.replay(ops, queries, self._cached(key, queries)).exists()
         if existed is UNKNOWN:
-            existed = ws.replay(ops, queries, self._load(key, queries, watch=False)).exists()
+            existed = ov.replay(ops, queries, self._load(key, queries, watch=False)).exists()
         return int(existed)
 
     def _shape(self, query: Query, answer: Any) -> Any:
@@ -387,13 +389,13 @@ class RedisBranch:
         self.check_active()
         if not self._blind:
             ops = self._by_key.get(op.key, [])
-            queries = ws.queries_for([*ops, op], ws.result_queries(op))
-            result = ws.step(ws.replay(ops, queries, self._cached(op.key, queries)), op)
+            queries = ov.queries_for([*ops, op], ov.result_queries(op))
+            result = ov.step(ov.replay(ops, queries, self._cached(op.key, queries)), op)
             if result is UNKNOWN:  # depends on the server: read it now, and watch the key
                 watched = op.key in self.watches
                 base = self._load(op.key, queries, watch=True)
                 try:
-                    result = ws.step(ws.replay(ops, queries, base), op)
+                    result = ov.step(ov.replay(ops, queries, base), op)
                 except ResponseError:
                     if not watched:  # the call is refused: it leaves nothing behind
                         self.watches.pop(op.key, None)

@@ -90,7 +90,7 @@ from . import _durability, _errors
 from . import _writeset as ws
 from ._durability import REQUIRED
 from ._errors import BranchConflict, BranchFailed, DurabilityWarning
-from ._writeset import Base, Query
+from ._overlay import STRING, Base, Query
 from .branch import ACTIVE, ENDED, FAILED, PREPARING, RedisBranch
 from .scripts import Scripts
 
@@ -242,7 +242,7 @@ class RedisResource:
         is the value's (`value_fingerprint`), which the scripts check with ``GET`` too. Any
         other type answers ``GET`` with ``WRONGTYPE``; it is then read by the ``read`` script,
         fingerprinted by ``DUMP``."""
-        if not queries or queries == [ws.STRING]:
+        if not queries or queries == [STRING]:
             try:
                 with self._errors("reading " + repr(key)):
                     value = self._scripts.command(["GET", key])
@@ -251,9 +251,9 @@ class RedisResource:
                     raise
             else:
                 if value is None:
-                    return Base("none", {ws.STRING: None}), b""
+                    return Base("none", {STRING: None}), b""
                 seen = value_fingerprint(value) if fingerprint else b""
-                return Base("string", {ws.STRING: bytes(value)}), seen
+                return Base("string", {STRING: bytes(value)}), seen
         args: list[bytes | str | int] = [b"1" if fingerprint else b"0"]
         for kind, arg in queries:
             args += [kind.encode(), arg]
