@@ -1,7 +1,11 @@
 """`RedisBranch`: what ``tx.join(redis_resource)`` hands the application.
 
-A redis-py-like subset of commands. Writes are buffered in the branch and reach Redis only when
-the transaction commits; reads go to the server and see the branch's own buffered writes. A
+A redis-py-like subset of commands (`SUPPORTED_COMMANDS`; any other redis-py command raises
+`UnsupportedCommandError` naming it). Writes are buffered in the branch and reach Redis only when
+the transaction commits; reads go to the server and see the branch's own buffered writes (the
+ops replayed over the server's value by `_overlay`). A time to live (``expire``, ``setex``,
+``set(ex=...)``) is staged as seconds and applied by the commit script, so it counts from the
+commit. A
 write returns what redis-py would return when that can be computed; when it depends on the
 server's data (``incrby``'s new value, how many members ``sadd`` added, whether ``set(nx=True)``
 applied) the branch reads the key once and *watches* it, so a change by anyone before prepare
