@@ -65,8 +65,7 @@ import redis
 from pyspark.sql import DataFrame, SparkSession
 
 from resource_managers.throwaway import PostgresServer, RedisServer
-from spark_integration import partition_writer
-from spark_integration.datasource import register
+from spark_integration import partition_writer, register
 
 TABLE = "items"
 COLUMNS = ("id", "name", "amount")

@@ -33,8 +33,7 @@ from typing import Any
 import sqlalchemy as sa
 from pyspark.sql import DataFrame, SparkSession
 
-from spark_integration import recovery_manager
-from spark_integration.datasource import register
+from spark_integration import recovery_manager, register
 
 SCHEMA = "id INT, name STRING"
 

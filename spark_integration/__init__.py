@@ -5,17 +5,26 @@ Executors call `write_partition` (write and prepare, one branch per task attempt
 driver calls `commit` or `abort` with the commit messages; `recovery_manager` finishes what a
 crashed driver left. `spark_integration.datasource` wires these to Spark's ``write``/``commit``/
 ``abort`` (``format("twopc")``, batch and streaming) and `spark_integration.foreach_batch` to
-``foreachBatch``; those names (``TwopcDataSource``, ``register``, ``foreach_batch_writer``) are
-importable from here but loaded on first use, so nothing else needs pyspark.
+``foreachBatch``; those names (``TwopcDataSource``, ``foreach_batch_writer``) are importable from
+here but loaded on first use, so nothing else needs pyspark.
+
+`register` lives here and only here (``from spark_integration import register``): one import
+path for the call every job makes first.
 """
 
+from __future__ import annotations
+
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from .driver_commit import CommitReport, abort, commit
 from .ids import make_gtrid
 from .partition_writer import CommitMessage, write_partition
 from .recovery import recovery_manager
 from .targets import WriteConfig, parse_options
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 __all__ = [
     "CommitMessage",
@@ -26,14 +35,22 @@ __all__ = [
     "make_gtrid",
     "parse_options",
     "recovery_manager",
+    "register",
     "write_partition",
 ]
 
 _SPARK_ONLY = {
     "TwopcDataSource": "datasource",
-    "register": "datasource",
     "foreach_batch_writer": "foreach_batch",
 }
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``format("twopc")`` known to ``spark``: once per session, before the first write
+    (`foreach_batch_writer` registers it on the micro-batch's session itself)."""
+    from .datasource import TwopcDataSource  # noqa: PLC0415 - pyspark only when Spark is there
+
+    spark.dataSource.register(TwopcDataSource)
 
 
 def __getattr__(name: str) -> object:

@@ -51,7 +51,7 @@ from .targets import parse_options
 
 if TYPE_CHECKING:
     from pyarrow import RecordBatch  # type: ignore[import-untyped]
-    from pyspark.sql import Row, SparkSession
+    from pyspark.sql import Row
     from pyspark.sql.types import StructType
 
 NAME = "twopc"
@@ -194,9 +194,8 @@ class TwopcDataSource(DataSource):
                 "option 'txnVersion' is for batch writes; a streaming write is keyed by its "
                 "micro-batch id (keep 'appId' stable across restarts of the query)"
             )
+        if config.arrow:  # refused rather than ignored: the user asked for a path not taken
+            raise ConfigurationError(
+                "option 'arrow' is for batch writes; a streaming write takes Rows (remove it)"
+            )
         return TwopcStreamWriter(options)
-
-
-def register(spark: SparkSession) -> None:
-    """Make ``format("twopc")`` known to ``spark`` (once per session)."""
-    spark.dataSource.register(TwopcDataSource)

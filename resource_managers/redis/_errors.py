@@ -15,7 +15,12 @@ from typing import Any
 
 from redis import exceptions as rex
 
-from coordinator import ConfigurationError, TransactionRolledBack, TransientError
+from coordinator import (
+    ConfigurationError,
+    ProgrammingError,
+    TransactionRolledBack,
+    TransientError,
+)
 
 _ADMIN = (
     rex.AuthenticationError,
@@ -39,6 +44,14 @@ class BranchConflict(BranchFailed, TransientError):
     """Another transaction holds or changed a key the branch needs: a new attempt may succeed."""
 
     code = "redis-conflict"
+
+
+class UnsupportedCommandError(ProgrammingError, AttributeError):
+    """A redis-py command a branch does not offer (``branch.zunionstore(...)``); the message
+    names it and lists those it does. An AttributeError too, so ``hasattr(branch, "zunionstore")``
+    and ``getattr(branch, name, None)`` answer as for any missing attribute."""
+
+    code = "redis-unsupported-command"
 
 
 class DurabilityWarning(UserWarning):

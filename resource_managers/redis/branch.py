@@ -1,7 +1,11 @@
 """`RedisBranch`: what ``tx.join(redis_resource)`` hands the application.
 
-A redis-py-like subset of commands. Writes are buffered in the branch and reach Redis only when
-the transaction commits; reads go to the server and see the branch's own buffered writes. A
+A redis-py-like subset of commands (`SUPPORTED_COMMANDS`; any other redis-py command raises
+`UnsupportedCommandError` naming it). Writes are buffered in the branch and reach Redis only when
+the transaction commits; reads go to the server and see the branch's own buffered writes (the
+ops replayed over the server's value by `_overlay`). A time to live (``expire``, ``setex``,
+``set(ex=...)``) is staged as seconds and applied by the commit script, so it counts from the
+commit. A
 write returns what redis-py would return when that can be computed; when it depends on the
 server's data (``incrby``'s new value, how many members ``sadd`` added, whether ``set(nx=True)``
 applied) the branch reads the key once and *watches* it, so a change by anyone before prepare
@@ -15,16 +19,21 @@ what the branch writes; if the key changes before prepare, the branch votes no.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
+import redis
 from redis.exceptions import ResponseError
 
 from coordinator import IllegalStateError, ProgrammingError, Xid
 
+from . import _overlay as ov
 from . import _writeset as ws
-from ._writeset import STRING, UNKNOWN, Base, Op, Query
+from ._errors import UnsupportedCommandError
+from ._overlay import STRING, UNKNOWN, Base, Query
+from ._writeset import Op
 
 
 class BranchHost(Protocol):
@@ -41,6 +50,8 @@ class BranchHost(Protocol):
     def decode(self, value: Any) -> Any: ...
 
     def read_now(self, key: bytes, query: Query) -> Any: ...
+
+    def read_command(self, command: list[Any]) -> Any: ...
 
     def read_facts(
         self, key: bytes, queries: list[Query], fingerprint: bool
@@ -68,6 +79,18 @@ class RedisBranch:
         self.doomed: str | None = None  # why prepare must vote no, found before prepare
         self.phase = ACTIVE
         self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for names the class lacks: a redis-py command the branch does not buffer is
+        named, with the list of those it does, rather than an AttributeError like a typo's."""
+        if name.startswith("_") or not hasattr(redis.Redis, name):
+            raise AttributeError(f"'RedisBranch' object has no attribute {name!r}", name=name)
+        raise UnsupportedCommandError(
+            f"redis-py's {name!r} is not supported inside a transaction branch; supported: "
+            f"{', '.join(SUPPORTED_COMMANDS)}. Use the plain client for it, outside the "
+            "transaction's guarantees",
+            command=name,
+        )
 
     def __repr__(self) -> str:
         return f"<RedisBranch {self.xid.gtrid} on {self._resource.name}: {len(self.ops)} writes>"
@@ -118,6 +141,64 @@ class RedisBranch:
     def decrby(self, name: Any, amount: int = 1) -> int | None:
         return self.incrby(name, -ws.int64(amount, "decrby amount"))
 
+    def incr(self, name: Any, amount: int = 1) -> int | None:
+        """redis-py's ``incr`` is ``INCRBY``: the same buffered write as `incrby`."""
+        return self.incrby(name, amount)
+
+    def decr(self, name: Any, amount: int = 1) -> int | None:
+        return self.decrby(name, amount)
+
+    def setex(self, name: Any, time: Any, value: Any) -> bool | None:
+        """``SET name value EX time``; the time to live starts when the branch commits."""
+        return self.set(name, value, ex=time)
+
+    def mset(self, mapping: Mapping[Any, Any]) -> bool:
+        """One buffered SET per key, all applied by the same commit script (so as atomic as
+        Redis's ``MSET``). Every key and value is checked before any is buffered."""
+        ops = [Op("SET", self._key(name), (ws.encode(value),)) for name, value in mapping.items()]
+        if not ops:
+            raise ProgrammingError("mset needs at least one key")
+        for op in ops:
+            self._write(op)
+        return True
+
+    def mget(self, keys: Any, *args: Any) -> list[Any]:
+        """Every key's string (None for a missing key or one of another type, as ``MGET``):
+        keys the branch has not touched in one ``MGET``, the others from the overlay."""
+        names = [self._key(n) for n in _names(keys, args, "mget")]
+        plain = [k for k in names if self._untouched(k)]
+        found = (
+            dict(zip(plain, self._resource.read_command(["MGET", *plain]), strict=True))
+            if plain
+            else {}
+        )
+        values = []
+        for key in names:
+            if key in found:
+                values.append(self._resource.decode(found[key]))
+                continue
+            try:
+                values.append(self._read_key(key, STRING))
+            except ResponseError as exc:  # MGET answers None for a key of another type
+                if not str(exc).startswith("WRONGTYPE"):
+                    raise
+                values.append(None)
+        return values
+
+    def exists(self, *names: Any) -> int:
+        """How many of the keys exist once the branch's writes are applied (a key named twice
+        counts twice, as in Redis)."""
+        keys = [self._key(n) for n in ws.nonempty(names, "exists")]
+        plain = [k for k in keys if self._untouched(k)]
+        count = int(self._resource.read_command(["EXISTS", *plain])) if plain else 0
+        return count + sum(self._exists(k) for k in keys if not self._untouched(k))
+
+    def ttl(self, name: Any) -> int:
+        """Seconds left, -1 for a key without a time to live, -2 for a missing key. A time to
+        live this branch set (``expire``, ``setex``, ``set(ex=...)``) is answered as given:
+        it starts counting when the branch commits."""
+        return int(self._read(name, ov.TTL))
+
     def expire(self, name: Any, time: Any) -> bool | None:
         """Buffer an EXPIRE in seconds; the time to live starts when the branch commits."""
         number = ws.seconds(time, "expire time")
@@ -140,6 +221,21 @@ class RedisBranch:
         items += list((mapping or {}).items())
         return _int(self._write(Op("HSET", self._key(name), ws.pairs(items, "hset"))))
 
+    def hmget(self, name: Any, keys: Any, *args: Any) -> list[Any]:
+        fields = [ws.encode(f, "field") for f in _names(keys, args, "hmget")]
+        key = self._key(name)
+        if self._untouched(key):
+            values = self._resource.read_command(["HMGET", key, *fields])
+            return [self._resource.decode(v) for v in values]
+        queries = [("F", f) for f in fields]
+        return [
+            self._shape(q, a) for q, a in zip(queries, self._answers(key, queries), strict=True)
+        ]
+
+    def hgetall(self, name: Any) -> dict[Any, Any]:
+        result: dict[Any, Any] = self._read(name, ov.HASH_ALL)
+        return result
+
     def hdel(self, name: Any, *keys: Any) -> int | None:
         fields = ws.nonempty([ws.encode(k, "field") for k in keys], "hdel")
         return _int(self._write(Op("HDEL", self._key(name), fields)))
@@ -161,6 +257,10 @@ class RedisBranch:
 
     def sismember(self, name: Any, value: Any) -> int:
         return int(bool(self._read(name, ("M", ws.encode(value)))))
+
+    def smembers(self, name: Any) -> builtins.set[Any]:
+        result: builtins.set[Any] = self._read(name, ov.SET_ALL)
+        return result
 
     def zadd(self, name: Any, mapping: Mapping[Any, Any]) -> int | None:
         args: list[bytes] = []
@@ -186,6 +286,16 @@ class RedisBranch:
     def rpush(self, name: Any, *values: Any) -> int | None:
         items = ws.nonempty([ws.encode(v) for v in values], "rpush")
         return _int(self._write(Op("RPUSH", self._key(name), items)))
+
+    def lrange(self, name: Any, start: int, end: int) -> list[Any]:
+        """Items ``start`` to ``end`` inclusive, negative from the end, as ``LRANGE``. A list the
+        branch has pushed to is read whole, once, and the pushes replayed on it."""
+        start, end = ws.int64(start, "lrange start"), ws.int64(end, "lrange end")
+        key = self._key(name)
+        if self._untouched(key):
+            items = self._resource.read_command(["LRANGE", key, start, end])
+            return [self._resource.decode(item) for item in items]
+        return ov.list_range(self._read_key(key, ov.LIST_ALL), start, end)
 
     def xadd(self, name: Any, fields: Mapping[Any, Any], id: Any = "*") -> None:
         """Buffer an XADD. Returns None: with ``id="*"`` Redis assigns the id when the commit
@@ -235,31 +345,61 @@ class RedisBranch:
             )
 
     def _read(self, name: Any, query: Query) -> Any:
-        key = self._key(name)
+        return self._read_key(self._key(name), query)
+
+    def _read_key(self, key: bytes, query: Query) -> Any:
+        if self._untouched(key):
+            return self._shape(query, self._resource.read_now(key, query))
+        return self._shape(query, self._answers(key, [query])[0])
+
+    def _untouched(self, key: bytes) -> bool:
+        """Neither written nor watched: a read goes to the server as it is."""
+        return key not in self._by_key and key not in self.watches
+
+    def _answers(self, key: bytes, asked: list[Query]) -> list[Any]:
+        """``asked`` of a key the branch has touched: its ops replayed over what the branch
+        knows of the server's value, which is read (once, in one call) if that is not enough."""
         ops = self._by_key.get(key, [])
-        if not ops and key not in self.watches:
-            return self._resource.decode(self._resource.read_now(key, query))
-        queries = ws.queries_for(ops, [query])
-        view = ws.replay(ops, queries, self._cached(key, queries))
-        answer = view.answer(query)
-        if answer is UNKNOWN:
-            view = ws.replay(ops, queries, self._load(key, queries, watch=False))
-            answer = view.answer(query)
-        if query[0] in "MZL":
+        queries = ov.queries_for(ops, asked)
+        view = ov.replay(ops, queries, self._cached(key, queries))
+        answers = [view.answer(query) for query in asked]
+        if any(answer is UNKNOWN for answer in answers):
+            view = ov.replay(ops, queries, self._load(key, queries, watch=False))
+            answers = [view.answer(query) for query in asked]
+        return answers
+
+    def _exists(self, key: bytes) -> int:
+        ops = self._by_key.get(key, [])
+        queries = ov.queries_for(ops, [])
+        existed = ov.replay(ops, queries, self._cached(key, queries)).exists()
+        if existed is UNKNOWN:
+            existed = ov.replay(ops, queries, self._load(key, queries, watch=False)).exists()
+        return int(existed)
+
+    def _shape(self, query: Query, answer: Any) -> Any:
+        """An answer as the client would return it (``decode_responses``)."""
+        kind, decode = query[0], self._resource.decode
+        if kind in "MZLNT":
             return answer
-        return self._resource.decode(answer)
+        if kind == "H":
+            return {decode(f): decode(v) for f, v in answer.items()}
+        if kind == "A":
+            return {decode(m) for m in answer}
+        if kind == "R":
+            return [decode(item) for item in answer]
+        return decode(answer)
 
     def _write(self, op: Op) -> Any:
         self.check_active()
         if not self._blind:
             ops = self._by_key.get(op.key, [])
-            queries = ws.queries_for([*ops, op], ws.result_queries(op))
-            result = ws.step(ws.replay(ops, queries, self._cached(op.key, queries)), op)
+            queries = ov.queries_for([*ops, op], ov.result_queries(op))
+            result = ov.step(ov.replay(ops, queries, self._cached(op.key, queries)), op)
             if result is UNKNOWN:  # depends on the server: read it now, and watch the key
                 watched = op.key in self.watches
                 base = self._load(op.key, queries, watch=True)
                 try:
-                    result = ws.step(ws.replay(ops, queries, base), op)
+                    result = ov.step(ov.replay(ops, queries, base), op)
                 except ResponseError:
                     if not watched:  # the call is refused: it leaves nothing behind
                         self.watches.pop(op.key, None)
@@ -300,6 +440,18 @@ class RedisBranch:
         for key, fingerprint in self.watches.items():
             watch_args += [str(index[key]).encode(), fingerprint]
         return touched, watch_args, ws.pack(self.ops)
+
+
+#: what a branch offers of redis-py's commands; every other one raises UnsupportedCommandError
+SUPPORTED_COMMANDS: Final = tuple(
+    sorted(n for n in vars(RedisBranch) if not n.startswith("_") and hasattr(redis.Redis, n))
+)
+
+
+def _names(keys: Any, args: tuple[Any, ...], what: str) -> tuple[Any, ...]:
+    """redis-py's ``mget(keys, *args)`` / ``hmget(name, keys, *args)``: a list, or names."""
+    first = list(keys) if isinstance(keys, list | tuple) else [keys]
+    return ws.nonempty([*first, *args], what)
 
 
 def _int(result: Any) -> int | None:

@@ -90,7 +90,7 @@ from . import _durability, _errors
 from . import _writeset as ws
 from ._durability import REQUIRED
 from ._errors import BranchConflict, BranchFailed, DurabilityWarning
-from ._writeset import Base, Query
+from ._overlay import STRING, Base, Query
 from .branch import ACTIVE, ENDED, FAILED, PREPARING, RedisBranch
 from .scripts import Scripts
 
@@ -220,10 +220,18 @@ class RedisResource:
         return self._encoder.decode(value)
 
     def read_now(self, key: bytes, query: Query) -> Any:
-        """One plain read (GET, HGET, SISMEMBER) of a key the branch has not touched."""
+        """One plain read (GET, HGET, SISMEMBER, TTL, HGETALL, SMEMBERS, LRANGE) of a key the
+        branch has not touched; whole collections and TTL come back as `_fact` shapes them."""
         kind, arg = query
-        command = {"S": ["GET", key], "F": ["HGET", key, arg], "M": ["SISMEMBER", key, arg]}[kind]
-        with self._errors("reading " + repr(key)):
+        command = _PLAIN_READS[kind] + [key] + ([arg] if kind in "FM" else [])
+        if kind == "R":
+            command += [0, -1]
+        raw = self.read_command(command)
+        return _fact(query, raw) if kind in "THAR" else raw
+
+    def read_command(self, command: list[Any]) -> Any:
+        """One read-only command (MGET, HMGET, EXISTS, LRANGE...) answered by the server as is."""
+        with self._errors("reading " + repr(command[1])):
             return self._scripts.command(command)
 
     def read_facts(self, key: bytes, queries: list[Query], fingerprint: bool) -> tuple[Base, bytes]:
@@ -234,7 +242,7 @@ class RedisResource:
         is the value's (`value_fingerprint`), which the scripts check with ``GET`` too. Any
         other type answers ``GET`` with ``WRONGTYPE``; it is then read by the ``read`` script,
         fingerprinted by ``DUMP``."""
-        if not queries or queries == [ws.STRING]:
+        if not queries or queries == [STRING]:
             try:
                 with self._errors("reading " + repr(key)):
                     value = self._scripts.command(["GET", key])
@@ -243,9 +251,9 @@ class RedisResource:
                     raise
             else:
                 if value is None:
-                    return Base("none", {ws.STRING: None}), b""
+                    return Base("none", {STRING: None}), b""
                 seen = value_fingerprint(value) if fingerprint else b""
-                return Base("string", {ws.STRING: bytes(value)}), seen
+                return Base("string", {STRING: bytes(value)}), seen
         args: list[bytes | str | int] = [b"1" if fingerprint else b"0"]
         for kind, arg in queries:
             args += [kind.encode(), arg]
@@ -682,14 +690,39 @@ def _peer(leader: RedisResource, resource: Resource[Any]) -> RedisResource:
     return resource
 
 
+#: the command that reads one fact of an untouched key (`read_now`)
+_PLAIN_READS: Final[dict[str, list[Any]]] = {
+    "S": ["GET"],
+    "F": ["HGET"],
+    "M": ["SISMEMBER"],
+    "T": ["TTL"],
+    "H": ["HGETALL"],
+    "A": ["SMEMBERS"],
+    "R": ["LRANGE"],
+}
+
+
 def _fact(query: Query, value: Any) -> Any:
+    """A fact as the overlay keeps it: bools, numbers, bytes, and dict / set / list of bytes for
+    a whole collection (a reply is a flat list, or already a dict or set through a cluster
+    client's callbacks)."""
     kind = query[0]
     if kind == "M":
         return bool(value)
     if kind == "Z":
         return None if value is None else float(value)
-    if kind in "LN":
+    if kind in "LNT":
         return int(value or 0)
+    if kind == "H":
+        if not value:
+            return {}
+        items = (
+            value.items() if isinstance(value, dict) else zip(value[0::2], value[1::2], strict=True)
+        )
+        return {bytes(f): bytes(v) for f, v in items}
+    if kind in "AR":
+        whole = [bytes(v) for v in value or ()]
+        return set(whole) if kind == "A" else whole
     return None if value is None else bytes(value)
 
 

@@ -45,7 +45,7 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
         _unavailable("no Java runtime (java on PATH or JAVA_HOME): run tools/ensure-servers.sh")
     from pyspark.sql import SparkSession
 
-    from spark_integration.datasource import register
+    from spark_integration import register
 
     session = (
         SparkSession.builder.master("local[2,2]")

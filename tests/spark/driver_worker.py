@@ -40,12 +40,8 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 from pyspark import TaskContext
 from pyspark.sql import SparkSession
 
-from spark_integration.datasource import (
-    TwopcBatchWriter,
-    TwopcCommitMessage,
-    TwopcDataSource,
-    register,
-)
+from spark_integration import register
+from spark_integration.datasource import TwopcBatchWriter, TwopcCommitMessage, TwopcDataSource
 
 if TYPE_CHECKING:
     from pyspark.sql import Row

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from sqlalchemy import text
 
+from coordinator import ConfigurationError
 from messaging.auth import SharedSecret
 from messaging.connection import Listener
 from messaging.remote import PRODUCER_ROLE, ProducerService
@@ -32,7 +33,7 @@ if importlib.util.find_spec("pyspark") is None:  # under CI a missing pyspark mu
 from pyspark import TaskContext, cloudpickle
 from pyspark.sql import functions as F
 from pyspark.sql.datasource import DataSourceWriter, WriterCommitMessage
-from pyspark.sql.types import IntegerType
+from pyspark.sql.types import IntegerType, StructType
 
 from spark_integration.datasource import (
     TwopcBatchWriter,
@@ -43,7 +44,6 @@ from spark_integration.foreach_batch import foreach_batch_writer
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row, SparkSession
-    from pyspark.sql.types import StructType
 
 pytestmark = pytest.mark.spark
 # executors cannot import this module by the name pytest gave it: ship its code by value
@@ -223,6 +223,15 @@ def test_bad_options_fail_the_job_naming_the_option(
         save(items(spark, n=10), change(env.options))
     assert repr(named) in str(info.value)
     assert env.rows() == [] and env.prepared() == []
+
+
+def test_arrow_on_a_stream_is_refused_not_ignored(env: Env) -> None:
+    """The Arrow writer is a batch path: a stream asking for it gets a clear error, on the
+    driver, instead of silently taking Rows."""
+    source = TwopcDataSource({**env.options, "arrow": "true"})
+    with pytest.raises(ConfigurationError, match="'arrow' is for batch writes"):
+        source.streamWriter(StructType([]), False)
+    TwopcDataSource(env.options).streamWriter(StructType([]), False)  # without it: accepted
 
 
 def test_overwrite_is_refused(spark: SparkSession, env: Env) -> None:

@@ -1,7 +1,8 @@
 -- read: a key's type, optionally its fingerprint (for a watch), and some facts, all at once.
 -- KEYS: 1 the key
 -- ARGV: 1 '1' to fingerprint, then (fact, argument) pairs: S string, F field, M member,
---       Z score, L list length, N size of a hash, set or sorted set
+--       Z score, L list length, N size of a hash, set or sorted set, T time to live (any type),
+--       H every field and value of a hash, A every member of a set, R every item of a list
 -- Reply: {type, fingerprint or nil, one value per fact (nil when the type does not match)}
 local key = KEYS[1]
 local t = redis.call('TYPE', key)['ok']
@@ -14,7 +15,11 @@ for i = 2, #ARGV, 2 do
   elseif fact == 'M' and t == 'set' then value = redis.call('SISMEMBER', key, arg)
   elseif fact == 'Z' and t == 'zset' then value = redis.call('ZSCORE', key, arg)
   elseif fact == 'L' and t == 'list' then value = redis.call('LLEN', key)
-  elseif fact == 'N' then value = SIZE[t] and redis.call(SIZE[t], key) or 0 end
+  elseif fact == 'N' then value = SIZE[t] and redis.call(SIZE[t], key) or 0
+  elseif fact == 'T' then value = redis.call('TTL', key)
+  elseif fact == 'H' and t == 'hash' then value = redis.call('HGETALL', key)
+  elseif fact == 'A' and t == 'set' then value = redis.call('SMEMBERS', key)
+  elseif fact == 'R' and t == 'list' then value = redis.call('LRANGE', key, 0, -1) end
   out[#out + 1] = value
 end
 return out
