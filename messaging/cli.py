@@ -58,7 +58,7 @@ def register(sub: Any) -> None:
     log_p.add_argument(
         "--route", action="append", default=[], metavar="PATTERN=HOST:PORT[,HOST:PORT...]",
         help="send the destinations matching the glob PATTERN (e.g. 'orders.*') to that cursor; "
-        "several cursors partition each such destination by message key (crc32 of the key "
+        "several cursors partition each such destination by message key (BLAKE2b of the key "
         "modulo their number; no key: the first); repeatable, the first match wins; one "
         "transfer per cursor",
     )  # fmt: skip

@@ -10,7 +10,7 @@ acknowledgments and reconnects, so a cursor that is down holds back only the des
 to it.
 
 A route naming N cursors *partitions* its destinations N ways: the log numbers each message in
-the stream of its key's partition (``crc32(key) % N``, keyless messages in partition 0:
+the stream of its key's partition (``blake2b(key) % N``, keyless messages in partition 0:
 `resource_managers.message_log._partition`), and partition ``i`` goes to the ``i``-th cursor
 named. The order of the cursors is therefore part of the configuration: reordering them moves
 partitions between cursors, as moving a route does.

@@ -1,7 +1,7 @@
 """Partitioned destinations (issue 15, point 3): a route naming several cursors splits each of its
 destinations by message key.
 
-Invariants named here: ``stable_partition`` (the partition of a key is CRC-32 of its UTF-8
+Invariants named here: ``stable_partition`` (the partition of a key is BLAKE2b of its UTF-8
 bytes modulo the count, the same in every process; no key: partition 0),
 ``gapless_partition_streams`` (the log numbers each partition as a stream of its own, 1, 2, 3 ...
 in commit order, so each cursor sees a gapless stream), ``partition_count_checked`` (a log does
@@ -13,6 +13,7 @@ partition its key does not hash to).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import zlib
 from pathlib import Path
 
@@ -47,15 +48,24 @@ def keyed(destination: str, key: str | None, *, persistent: bool = True) -> Mess
     )[0]  # fmt: skip
 
 
-def test_stable_partition_is_crc32_of_the_utf8_key() -> None:
+def test_stable_partition_is_blake2b_of_the_utf8_key() -> None:
     """``stable_partition``: pinned values, so a change of hash breaks this test, not a
-    deployment (another language computes the same with any CRC-32)."""
-    assert zlib.crc32(b"a") == 3904355907
-    assert partition_of("a", 2) == 3904355907 % 2 == 1
-    assert partition_of("d", 2) == 0
-    assert partition_of("é", 7) == zlib.crc32("é".encode()) % 7 == 235179326 % 7
+    deployment (another language computes the same with any BLAKE2b)."""
+    digest = hashlib.blake2b(b"a", digest_size=8).digest()
+    assert int.from_bytes(digest, "big") == 4681665781835383343
+    assert partition_of("a", 2) == 4681665781835383343 % 2 == 1
+    assert partition_of("a", 7) == 4681665781835383343 % 7
+    assert partition_of("bob", 2) == 0
     assert partition_of(None, 5) == 0  # keyless: partition 0
     assert partition_of("anything", 1) == 0
+
+
+def test_keys_differing_in_low_bits_spread() -> None:
+    """Why not CRC-32: it is linear, and ``k0``..``k3`` all have an odd CRC-32."""
+    assert {zlib.crc32(f"k{i}".encode()) % 2 for i in range(4)} == {1}
+    assert {partition_of(f"k{i}", 2) for i in range(4)} == {0, 1}
+    spread = [partition_of(f"customer-{i}", 4) for i in range(1000)]
+    assert all(200 < spread.count(p) < 300 for p in range(4)), spread
 
 
 def test_stream_names_carry_partition_and_count() -> None:
@@ -128,13 +138,13 @@ def test_gapless_partition_streams(tmp_path: Path) -> None:
     """Each partition is numbered 1, 2, 3 ... in commit order, keyless messages in partition 0;
     the numbers survive a reopen."""
     with MessageLog(tmp_path / "log", partitions=lambda d: 2 if d == "orders" else 1) as mlog:
-        for n, key in enumerate(["a", "d", "a", None, "a", "d"]):
+        for n, key in enumerate(["a", "bob", "a", None, "a", "bob"]):
             mlog.commit(f"g{n}", [keyed("orders", key)])
         mlog.commit("other", [keyed("invoices", "a")])
         assert sorted(mlog.streams()) == ["invoices", "orders#p0.2", "orders#p1.2"]
         got = {s: [(n, m.key) for n, m in mlog.pending(s)] for s in mlog.streams()}
     assert got["orders#p1.2"] == [(1, "a"), (2, "a"), (3, "a")]
-    assert got["orders#p0.2"] == [(1, "d"), (2, None), (3, "d")]
+    assert got["orders#p0.2"] == [(1, "bob"), (2, None), (3, "bob")]
     assert got["invoices"] == [(1, "a")]
     with MessageLog(tmp_path / "log", partitions=lambda d: 2 if d == "orders" else 1) as mlog:
         assert [n for n, _ in mlog.pending("orders#p1.2")] == [1, 2, 3]
@@ -159,13 +169,13 @@ def test_partition_count_checked_at_open(tmp_path: Path) -> None:
         mlog.acknowledge("orders#p1.2", epoch, 1)
     with MessageLog(tmp_path / "log", partitions=lambda _d: 3) as mlog:
         mlog.commit("g2", [keyed("orders", "a")])
-        assert partition_of("a", 3) == 0 and [n for n, _ in mlog.pending("orders#p0.3")] == [1]
+        assert partition_of("a", 3) == 2 and [n for n, _ in mlog.pending("orders#p2.3")] == [1]
 
 
 def test_a_destination_limit_counts_every_partition(tmp_path: Path) -> None:
     with MessageLog(tmp_path / "log", partitions=lambda _d: 2, max_destination_messages=2) as mlog:
         mlog.commit("g1", [keyed("orders", "a")])
-        mlog.commit("g2", [keyed("orders", "d")])
+        mlog.commit("g2", [keyed("orders", "bob")])
         with pytest.raises(DestinationFullError):
             mlog.check_room("orders", 1)
         mlog.check_room("invoices", 1)
