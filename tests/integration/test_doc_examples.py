@@ -1,4 +1,5 @@
-"""The examples of docs/messaging.md, README.md, docs/postgres.md and docs/concepts.md run.
+"""The examples of docs/messaging.md, README.md, docs/postgres.md, docs/concepts.md and
+docs/scale.md run.
 
 A block is an example when the line right before its ```` ```python ```` fence is
 ``<!-- example: NAME -->``. Each runs as a script of its own in a fresh interpreter (cwd a
@@ -63,7 +64,11 @@ def examples(text: str) -> list[Example]:
 
 
 #: the other pages whose marked blocks run too (their sections need not each carry one)
-OTHER_PAGES = (REPO / "docs" / "postgres.md", REPO / "docs" / "concepts.md")
+OTHER_PAGES = (
+    REPO / "docs" / "postgres.md",
+    REPO / "docs" / "concepts.md",
+    REPO / "docs" / "scale.md",
+)
 EXAMPLES = [
     *examples(DOC.read_text(encoding="utf-8")),
     *examples(README.read_text(encoding="utf-8")),
