@@ -13,7 +13,10 @@ is exactly-once: a crash anywhere loses nothing and duplicates nothing (`tests/c
 database: this measures the messaging system and how it spreads over processes. Messages/s is
 counted from the moment every producer is connected and starts to the last consume.
 
-The ratio column compares each row with the 1-log, 1-cursor row of the same run. Every process
+The ratio column compares each row with the 1-log, 1-cursor row of the same run; ``CPU s`` is
+the CPU time every process of the row used while timed (from ``/proc``), so ``CPU s`` against
+``seconds`` times the machine's cores says whether the row was CPU-bound, and ``CPU us/msg`` what
+a message costs all processes together. Every process
 shares the machine's cores: with 2 cores, 3 logs, 3 producers, a cursor and a consumer (8 busy
 processes, each a Python interpreter doing framing, JSON records and checks) are CPU-bound long
 before the disk is, so the ratio shows the CPU's limit, not the design's; the printed header
@@ -59,6 +62,8 @@ class ScaleResult:
     seconds: float
     msg_s: float
     by_cursor: list[int]
+    #: CPU seconds of every process of the row (servers, producers, consumers) while timed
+    cpu_s: float
 
 
 def _manager(node: str, state: Path, resources: list[Any]) -> TransactionManager:
@@ -109,7 +114,9 @@ def _ignore(tx: Any, delivery: Any) -> None:
 
 
 @contextlib.contextmanager
-def _servers(work: Path, logs: int, cursors: int) -> Iterator[tuple[list[str], list[str]]]:
+def _servers(
+    work: Path, logs: int, cursors: int
+) -> Iterator[tuple[list[str], list[str], list[int]]]:
     """M cursor servers, then N log servers routing the destination to all of them."""
     procs: list[subprocess.Popen[str]] = []
     env = {**os.environ, "TWOPC_SECRET": SECRET.decode(), "PYTHONPATH": str(REPO)}
@@ -130,11 +137,10 @@ def _servers(work: Path, logs: int, cursors: int) -> Iterator[tuple[list[str], l
         route = "bench.*=" + ",".join(cursor_at)
         log_at = [serve("log", f"log{i}", "--cursor", cursor_at[0], "--route", route)
                   for i in range(logs)]  # fmt: skip
-        yield log_at, cursor_at
+        yield log_at, cursor_at, [p.pid for p in procs]
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(procs):  # the logs first: no warning about a stopped cursor
             proc.terminate()
-        for proc in procs:
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
@@ -146,7 +152,7 @@ def run_scale(logs: int, cursors: int, messages: int, per_tx: int) -> ScaleResul
     ctx = mp.get_context("fork")
     work = Path(tempfile.mkdtemp(prefix="twopc-scale-"))
     try:
-        with _servers(work, logs, cursors) as (log_at, cursor_at):
+        with _servers(work, logs, cursors) as (log_at, cursor_at, server_pids):
             shared = _Shared(ctx.Event(), ctx.Event(), ctx.Value("q", 0))
             mine = [ctx.Value("q", 0, lock=False) for _ in cursor_at]
             share = [messages // logs + (i < messages % logs) for i in range(logs)]
@@ -161,16 +167,31 @@ def run_scale(logs: int, cursors: int, messages: int, per_tx: int) -> ScaleResul
             for proc in (*consumers, *producers):
                 proc.start()
             time.sleep(1.0)  # the processes connect before the clock starts
+            pids = [*server_pids, *(p.pid for p in (*consumers, *producers) if p.pid)]
+            cpu_before = _cpu(pids)
             start = time.perf_counter()
             shared.go.set()
             seconds = _wait_consumed(shared, messages, consumers, start)
+            cpu = round(_cpu(pids) - cpu_before, 2)
             shared.stop.set()
             for proc in (*producers, *consumers):
                 proc.join(30)
         return ScaleResult(logs, cursors, messages, per_tx, round(seconds, 3),
-                           round(messages / seconds), [m.value for m in mine])  # fmt: skip
+                           round(messages / seconds), [m.value for m in mine], cpu)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _cpu(pids: list[int]) -> float:
+    """CPU seconds (user and system) the processes ``pids`` have used so far (Linux ``/proc``;
+    a process gone counts 0)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return total / ticks
 
 
 def _wait_consumed(shared: _Shared, messages: int, consumers: list[Any], start: float) -> float:
@@ -194,10 +215,13 @@ def main(logs: list[int], cursors: list[int], messages: int, per_tx: int,
             print(f"  running {n} log(s) -> {m} cursor(s) ...", flush=True)
             results.append(run_scale(n, m, messages, per_tx))
     baseline = next((r.msg_s for r in results if r.logs == 1 and r.cursors == 1), None)
-    print(f"{'logs':>4} {'cursors':>7} {'msg/s':>8} {'x 1x1':>6}  consumed per cursor")
+    print(f"{'logs':>4} {'cursors':>7} {'msg/s':>8} {'x 1x1':>6} {'CPU s':>6} "
+          f"{'CPU us/msg':>10}  consumed per cursor")  # fmt: skip
     for r in results:
         ratio = f"{r.msg_s / baseline:.2f}" if baseline else "-"
-        print(f"{r.logs:>4} {r.cursors:>7} {r.msg_s:>8} {ratio:>6}  {r.by_cursor}")
+        per = r.cpu_s / r.messages * 1e6
+        print(f"{r.logs:>4} {r.cursors:>7} {r.msg_s:>8} {ratio:>6} {r.cpu_s:>6} {per:>10.0f}  "
+              f"{r.by_cursor}")  # fmt: skip
     if json_path is not None:
         json_path.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
         print(f"wrote {json_path}")
