@@ -179,3 +179,15 @@ def test_a_destination_limit_counts_every_partition(tmp_path: Path) -> None:
         with pytest.raises(DestinationFullError):
             mlog.check_room("orders", 1)
         mlog.check_room("invoices", 1)
+
+
+def test_prepared_and_non_persistent_messages_do_not_block_a_new_count(tmp_path: Path) -> None:
+    """``partition_count_checked`` counts only what is numbered and durable: a prepared branch
+    is numbered at its commit, under the count of that moment; a non-persistent message does
+    not survive the restart."""
+    with MessageLog(tmp_path / "log", partitions=lambda _d: 2) as mlog:
+        mlog.prepare("g1", [keyed("orders", "a")])
+        mlog.commit("g2", [keyed("orders", "a", persistent=False)])
+    with MessageLog(tmp_path / "log", partitions=lambda _d: 3) as mlog:
+        mlog.commit("g1")
+        assert [n for n, _ in mlog.pending("orders#p2.3")] == [1]
