@@ -84,6 +84,8 @@ class Router:
         self.routes = tuple(routes)
         #: stream -> cursor: each transfer asks for every stream whenever the log publishes
         self._known: dict[str, Address] = {}
+        #: destination -> partitions: the log asks for every message it numbers
+        self._counts: dict[str, int] = {}
 
     def _route(self, destination: str) -> Route | None:
         return next((r for r in self.routes if r.matches(destination)), None)
@@ -91,8 +93,11 @@ class Router:
     def partitions(self, destination: str) -> int:
         """How many partitions ``destination`` has: its route's cursors (1 unrouted). What the
         log numbers by (`MessageLog`'s ``partitions``)."""
-        route = self._route(destination)
-        return 1 if route is None else len(route.cursors)
+        count = self._counts.get(destination)
+        if count is None:
+            route = self._route(destination)
+            count = self._counts[destination] = 1 if route is None else len(route.cursors)
+        return count
 
     def cursor_for(self, stream: str) -> Address:
         known = self._known.get(stream)

@@ -46,7 +46,7 @@ from coordinator.journal import (
     LazyWatch,
 )
 
-from ._partition import parse_stream, stream_for
+from ._partition import PARTITION_MARK, parse_stream, stream_for
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
 from ._refused import keep_refused
 from ._state import LogState
@@ -229,7 +229,8 @@ class MessageLog:
         """Under the lock: the names of every stream of ``destination`` (its partitions, its
         non-persistent twin), whichever partition count numbered them."""
         plain = (destination, destination + VOLATILE_SUFFIX)
-        if self._partitions(destination) == 1 and not any("#p" in n for n in self._state.streams):
+        streams = self._state.streams
+        if self._partitions(destination) == 1 and not any(PARTITION_MARK in n for n in streams):
             return list(plain)
         return [
             name
