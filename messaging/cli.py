@@ -65,7 +65,8 @@ def register(sub: Any) -> None:
     log_p.add_argument(
         "--allow-repartition", action="store_true",
         help="start although a destination's partition count changed while the log holds "
-        "unacknowledged messages of it (per-key order is not kept across the change)",
+        "unacknowledged messages of it (per-key order is not kept across the change, and a "
+        "partition whose cursor changes may deliver some messages twice)",
     )  # fmt: skip
     log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
     log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)

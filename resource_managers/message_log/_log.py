@@ -181,7 +181,8 @@ class MessageLog:
         partition and cursor: two consumers could then take one key's messages out of order. A
         count changed once the destination is drained costs nothing (`docs/messaging.md`,
         "Changing the partition count"); ``allow`` opens anyway, for an operator who accepts it
-        (a cursor host lost for good)."""
+        (a cursor host lost for good), and who accepts too that an old partition whose cursor
+        changes is a moved route (what its old cursor accepted unacknowledged comes twice)."""
         moved: dict[str, tuple[int, int, int]] = {}
         for name, stream in self._state.streams.items():
             parsed = parse_stream(name)
@@ -200,7 +201,8 @@ class MessageLog:
         )
         if allow:
             log.warning("message log %s: partition count changed (%s): per-key order is not "
-                        "kept across the change", self.directory, said)  # fmt: skip
+                        "kept across the change, and a partition whose cursor changes may "
+                        "deliver some messages twice", self.directory, said)  # fmt: skip
             return
         raise ConfigurationError(
             f"message log {self.directory}: {said}; changing a destination's partition count "
