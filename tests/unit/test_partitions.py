@@ -191,3 +191,14 @@ def test_prepared_and_non_persistent_messages_do_not_block_a_new_count(tmp_path:
     with MessageLog(tmp_path / "log", partitions=lambda _d: 3) as mlog:
         mlog.commit("g1")
         assert [n for n, _ in mlog.pending("orders#p2.3")] == [1]
+
+
+def test_a_route_names_one_to_64_distinct_cursors() -> None:
+    with pytest.raises(ConfigurationError, match="name 1-64 cursors, not 0"):
+        Route("orders.*")
+    many = ",".join(f"10.0.0.1:{port}" for port in range(1, 66))
+    with pytest.raises(ConfigurationError, match="not 65"):
+        parse_route(f"orders.*={many}")
+    with pytest.raises(ConfigurationError, match="names a cursor twice"):
+        Route("orders.*", A, B, A)
+    assert len(parse_route(f"orders.*={many.rsplit(',', 1)[0]}").cursors) == 64
