@@ -46,6 +46,13 @@ above (``jetstream``, ``rabbitmq`` for the brokers).
     python bench/messaging.py [--messages 2000] [--quick] [--per-tx 1,10,100]
         [--systems twopc,outbox,jetstream,rabbitmq] [--ack-modes auto,client,dups-ok,transacted]
         [--ack-messages 1000] [--pg-dsn DSN [--pg-consumer-dsn DSN]] [--json PATH]
+
+With ``--logs`` or ``--cursors`` it measures scale instead (`messaging_scale`: aggregate
+exactly-once msgs/s with N log servers and M cursor servers, a destination partitioned by key over
+the M cursors, every server a process; ``--logs 1,2,3 --cursors 1,2`` runs each combination):
+
+    python bench/messaging.py --logs 1,2,3 --cursors 1,2 [--messages 6000] [--per-tx 10]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import messaging_baselines as base  # type: ignore[import-not-found]
 import messaging_outbox as outbox  # type: ignore[import-not-found]
+import messaging_scale  # type: ignore[import-not-found]
 from sqlalchemy import create_engine, text
 
 from coordinator import FileDecisionLog, TransactionManager
@@ -478,9 +486,19 @@ def system_list(value: str) -> list[str]:
     return systems
 
 
-def main() -> None:
+def run_scale(args: argparse.Namespace) -> None:
+    """``--logs``/``--cursors``: the scale rows (`messaging_scale`); 6000 messages, 10 per
+    transaction, unless ``--messages``/``--per-tx``/``--quick`` say otherwise."""
+    per_tx = int(args.per_tx) if args.per_tx.isdigit() else 10
+    messages = 1000 if args.quick else args.messages or 6000
+    messaging_scale.main([int(n) for n in (args.logs or "1").split(",")],
+                         [int(n) for n in (args.cursors or "1").split(",")],
+                         messages, per_tx, args.json)  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--messages", type=int, default=2000, help="messages per row (2000)")
+    parser.add_argument("--messages", type=int, default=None, help="messages per row (2000)")
     parser.add_argument("--quick", action="store_true", help="300 messages per row")
     parser.add_argument("--per-tx", default="1,10,100", help="batch sizes (1,10,100)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), type=system_list,
@@ -498,10 +516,24 @@ def main() -> None:
     parser.add_argument("--ack-messages", type=int, default=1000,
                         help="messages per acknowledgment-mode row (1000)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write one object per pipeline row here")
-    args = parser.parse_args()
+    parser.add_argument("--logs", help="scale rows: log servers, e.g. 1,2,3 (messaging_scale)")
+    parser.add_argument("--cursors", help="scale rows: cursor servers, e.g. 1,2")
+    return parser
+
+
+def _pipeline_defaults(args: argparse.Namespace) -> None:
+    args.messages = args.messages or 2000
     if args.quick:
         args.messages = 300
         args.ack_messages = min(args.ack_messages, 300)
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.logs or args.cursors:
+        run_scale(args)
+        return
+    _pipeline_defaults(args)
     base.exit_on_sigterm()  # so a killed run still removes its throwaway PostgreSQL
     batch_sizes = [int(n) for n in args.per_tx.split(",")]
     systems = args.systems

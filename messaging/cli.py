@@ -58,9 +58,17 @@ def register(sub: Any) -> None:
         help="the cursor server: where every destination no --route matches goes",
     )  # fmt: skip
     log_p.add_argument(
-        "--route", action="append", default=[], metavar="PATTERN=HOST:PORT",
+        "--route", action="append", default=[], metavar="PATTERN=HOST:PORT[,HOST:PORT...]",
         help="send the destinations matching the glob PATTERN (e.g. 'orders.*') to that cursor; "
-        "repeatable, the first match wins; one transfer per cursor",
+        "several cursors partition each such destination by message key (BLAKE2b of the key "
+        "modulo their number; no key: the first); repeatable, the first match wins; one "
+        "transfer per cursor",
+    )  # fmt: skip
+    log_p.add_argument(
+        "--allow-repartition", action="store_true",
+        help="start although a destination's partition count changed while the log holds "
+        "unacknowledged messages of it (per-key order is not kept across the change, and a "
+        "partition whose cursor changes may deliver some messages twice)",
     )  # fmt: skip
     log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
     log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
@@ -219,6 +227,7 @@ def run_log(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_destination_messages=args.max_destination_messages,
         routes=routes,
+        allow_repartition=args.allow_repartition,
     ))  # fmt: skip
     mlog = server.mlog  # the cursor keeps this log's streams under its identity
     notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"

@@ -55,8 +55,11 @@ log = logging.getLogger("twopc.server")
 class LogServer:
     """A message log, its transfers and (with ``listen``) its producer service. ``cursor`` is the
     default route; ``routes`` send the destinations their patterns match to other cursors, one
-    `LogTransfer` per cursor (``transfers``; ``transfer`` is the default cursor's). ``cursor_id``
-    and ``cursor_hostname`` are checked of the default cursor only."""
+    `LogTransfer` per cursor (``transfers``; ``transfer`` is the default cursor's); a route
+    naming several cursors partitions its destinations by message key. ``allow_repartition``:
+    open although a destination's partition count changed while it holds unacknowledged messages
+    (per-key order is then not kept across the change; see `MessageLog`). ``cursor_id`` and
+    ``cursor_hostname`` are checked of the default cursor only."""
 
     def __init__(
         self,
@@ -76,14 +79,17 @@ class LogServer:
         streams: Callable[[str], bool] | None = None,
         resource_name: str = "mlog",
         routes: Sequence[Route] = (),
+        allow_repartition: bool = False,
     ) -> None:
+        self.router = Router(cursor, routes)
         self.mlog = MessageLog(
             directory,
             max_message_bytes=max_message_bytes,
             max_destination_messages=max_destination_messages,
+            partitions=self.router.partitions,  # the key is hashed where messages are numbered
+            allow_repartition=allow_repartition,
         )
         self.resource = MessageLogResource(self.mlog, resource_name)
-        self.router = Router(cursor, routes)
         wanted = streams or (lambda _stream: True)
 
         def dialer(address: Address) -> Callable[[], Connection]:

@@ -124,6 +124,7 @@ class Session:
         ttl: float | None = None,
         priority: int | None = None,
         admin_queue: str | None = None,
+        key: str | None = None,
     ) -> str: ...
 
     @overload
@@ -137,6 +138,7 @@ class Session:
         ttl: float | None = None,
         priority: int | None = None,
         admin_queue: str | None = None,
+        key: str | None = None,
     ) -> list[str]: ...
 
     def send(
@@ -149,6 +151,7 @@ class Session:
         ttl: float | None = None,
         priority: int | None = None,
         admin_queue: str | None = None,
+        key: str | None = None,
     ) -> str | list[str]:
         """Send ``body`` to ``destination``, or one copy to each of a list (a distribution list,
         MSMQ; all copies or none); return the message id(s).
@@ -157,18 +160,20 @@ class Session:
         Otherwise a transaction of its own that has committed when this returns: for a persistent
         message the log has forced it to disk and accepted responsibility for it (JMS).
         If it fails this raises: `TransactionRolledBack`, nothing was sent; `OutcomeUnknownError`
-        (a remote log that stopped answering during the commit), it may have been."""
+        (a remote log that stopped answering during the commit), it may have been. ``key``
+        picks the partition of a partitioned destination (messages of one key keep their
+        order)."""
         producer = self._producer_resource()
         sent: str | list[str]
         if self.mode is AckMode.TRANSACTED:  # a refused send stages nothing: the rest stands
             return self._stage(self._join(producer), destination, body, headers,
                                persistent=persistent, ttl=ttl, priority=priority,
-                               admin_queue=admin_queue, transactional=True)  # fmt: skip
+                               admin_queue=admin_queue, transactional=True, key=key)  # fmt: skip
         tx = self._begin()
         try:
             sent = self._stage(tx.join(producer), destination, body, headers,
                                persistent=persistent, ttl=ttl, priority=priority,
-                               admin_queue=admin_queue, transactional=False)  # fmt: skip
+                               admin_queue=admin_queue, transactional=False, key=key)  # fmt: skip
         except BaseException:
             tx.rollback()
             raise
@@ -187,15 +192,18 @@ class Session:
         priority: int | None,
         admin_queue: str | None,
         transactional: bool,
+        key: str | None,
     ) -> str | list[str]:
         if isinstance(destination, list):
             return branch.send_to_list(
                 destination, body, headers, persistent, ttl, priority=priority,
                 admin_queue=admin_queue, transactional=transactional, publisher=self.client_id,
+                key=key,
             )  # fmt: skip
         return branch.send(
             destination, body, headers, persistent, ttl, priority=priority,
             admin_queue=admin_queue, transactional=transactional, publisher=self.client_id,
+            key=key,
         )  # fmt: skip
 
     # -- consuming -------------------------------------------------------------------------------

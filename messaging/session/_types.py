@@ -44,6 +44,7 @@ class ProducerHandle(Protocol):
         admin_queue: str | None = None,
         transactional: bool = True,
         publisher: str | None = None,
+        key: str | None = None,
     ) -> str: ...
 
     def send_to_list(
@@ -58,6 +59,7 @@ class ProducerHandle(Protocol):
         admin_queue: str | None = None,
         transactional: bool = True,
         publisher: str | None = None,
+        key: str | None = None,
     ) -> list[str]: ...
 
 

@@ -10,7 +10,12 @@ from collections.abc import Mapping
 from typing import cast
 
 from coordinator.errors import FrameError
-from resource_managers.message_log import InvalidMessageError, Message, check_message
+from resource_managers.message_log import (
+    InvalidMessageError,
+    Message,
+    check_message,
+    on_its_stream,
+)
 from resource_managers.sequencing import MAX_NAME_CHARS, Frame, stream_key
 
 from ..frames import Msg, Value
@@ -52,7 +57,7 @@ def from_wire(msg: Msg, log: str = "") -> tuple[Frame, Message]:
             expires,
         )
     )
-    if message.stream != msg.stream:
+    if not on_its_stream(message, msg.stream):  # a partition's stream: its key's partition
         raise InvalidMessageError(
             f"message {msg.message_id} for {message.stream!r} arrived on stream {msg.stream!r}"
         )

@@ -30,6 +30,7 @@ from typing import Any
 
 from coordinator.crashpoints import crash_point
 from coordinator.errors import (
+    ConfigurationError,
     LogWriteError,
     ProgrammingError,
     TransactionRolledBack,
@@ -46,6 +47,7 @@ from coordinator.journal import (
     LazyWatch,
 )
 
+from ._partition import PARTITION_MARK, parse_stream, stream_for
 from ._records import VOLATILE_SUFFIX, Message, decode, encode, message_obj
 from ._refused import keep_refused
 from ._state import LogState
@@ -99,7 +101,12 @@ class MessageLog:
     ``max_message_bytes``: a message's body plus headers. ``max_destination_messages``: committed
     unacknowledged plus prepared messages a destination may hold (None: no limit).
     ``tombstone_seconds``: how long a rollback's tombstone survives compaction (``forget`` drops
-    it sooner). Thread-safe; a context manager.
+    it sooner). ``partitions``: how many partitions each destination has (its route's cursors,
+    `messaging.routes.Router.partitions`; default 1 for all): a message is numbered at commit in
+    the stream of its key's partition (`_partition`), so the hash is taken where the numbers
+    are. Opening refuses (`ConfigurationError`) a count that differs from the one a destination's
+    unacknowledged messages were numbered under, unless ``allow_repartition``. Thread-safe; a
+    context manager.
     """
 
     def __init__(
@@ -113,6 +120,8 @@ class MessageLog:
         file_ops: FileOps | None = None,
         clock_ms: Callable[[], int] = now_ms,
         lazy_delay: float = DEFAULT_LAZY_DELAY,
+        partitions: Callable[[str], int] | None = None,
+        allow_repartition: bool = False,
     ) -> None:
         if max_message_bytes < 1 or (max_destination_messages or 1) < 1:
             raise ProgrammingError("max_message_bytes and max_destination_messages must be >= 1")
@@ -121,6 +130,7 @@ class MessageLog:
         self.max_destination_messages = max_destination_messages
         self._tombstone_ms = int(tombstone_seconds * 1000)
         self._clock = clock_ms
+        self._partitions = partitions or (lambda _destination: 1)
         self._state = LogState()
         self._gate = Gate()
         self._lock = threading.Lock()  # numbering, in-flight numbers, counts
@@ -143,6 +153,7 @@ class MessageLog:
         self._settling: set[str] = set()  # gids whose lazy commit record is not durable yet
         self._committing: set[str] = set()  # gids numbered by a commit whose record is not applied
         try:
+            self._check_partitions(allow_repartition)
             self._open()
         except BaseException:
             self._journal.close()
@@ -164,6 +175,43 @@ class MessageLog:
             self._hold(messages, +1)
         self._compaction.maybe()
 
+    def _check_partitions(self, allow: bool) -> None:
+        """Refuse to open with a partition count other than the one a destination's
+        unacknowledged messages were numbered under (before the ``O`` record: a refused open
+        writes nothing). Those messages stay in their streams and go to the cursor their
+        partition index now routes to, while new messages of the same key may hash to another
+        partition and cursor: two consumers could then take one key's messages out of order. A
+        count changed once the destination is drained costs nothing (`docs/messaging.md`,
+        "Changing the partition count"); ``allow`` opens anyway, for an operator who accepts it
+        (a cursor host lost for good), and who accepts too that an old partition whose cursor
+        changes is a moved route (what its old cursor accepted unacknowledged comes twice)."""
+        moved: dict[str, tuple[int, int, int]] = {}
+        for name, stream in self._state.streams.items():
+            parsed = parse_stream(name)
+            if not stream.messages or parsed is None or not parsed.persistent:
+                continue
+            now = self._partitions(parsed.destination)
+            if now != parsed.count:
+                held, _, _ = moved.get(parsed.destination, (0, 0, 0))
+                moved[parsed.destination] = (held + len(stream.messages), parsed.count, now)
+        if not moved:
+            return
+        said = "; ".join(
+            f"{d!r}: {n} unacknowledged messages numbered in {old} partition(s), its route now "
+            f"has {new}"
+            for d, (n, old, new) in sorted(moved.items())[:3]
+        )
+        if allow:
+            log.warning("message log %s: partition count changed (%s): per-key order is not "
+                        "kept across the change, and a partition whose cursor changes may "
+                        "deliver some messages twice", self.directory, said)  # fmt: skip
+            return
+        raise ConfigurationError(
+            f"message log {self.directory}: {said}; changing a destination's partition count "
+            "while it holds unacknowledged messages breaks per-key order: run with the old "
+            "routes until the log is idle, or allow it explicitly (--allow-repartition)"
+        )
+
     # -- the resource's verbs ------------------------------------------------------------------
 
     def check_room(self, destination: str, adding: int) -> None:
@@ -172,7 +220,7 @@ class MessageLog:
             return
         with self._lock:
             held = self._held.get(destination, 0)
-            for name in (destination, destination + VOLATILE_SUFFIX):
+            for name in self._streams_of(destination):
                 stream = self._state.streams.get(name)
                 held += len(stream.messages) if stream is not None else 0
         if held + adding > limit:
@@ -180,6 +228,19 @@ class MessageLog:
                 f"destination {destination!r} holds {held} messages, its limit is {limit}; "
                 "nothing was staged, retry when the cursor has acknowledged some"
             )
+
+    def _streams_of(self, destination: str) -> list[str]:
+        """Under the lock: the names of every stream of ``destination`` (its partitions, its
+        non-persistent twin), whichever partition count numbered them."""
+        plain = (destination, destination + VOLATILE_SUFFIX)
+        streams = self._state.streams
+        if self._partitions(destination) == 1 and not any(PARTITION_MARK in n for n in streams):
+            return list(plain)
+        return [
+            name
+            for name in self._state.streams
+            if (p := parse_stream(name)) is not None and p.destination == destination
+        ]
 
     def clock(self) -> int:
         """Wall-clock milliseconds, as expiries and tombstones use them."""
@@ -247,8 +308,8 @@ class MessageLog:
             else:
                 durable = list(self._state.prepared.get(gid, []))
                 volatile = self._volatile_prepared.pop(gid, [])
-            numbers = [self._take_number(m.stream) for m in durable]
-            vnumbers = [self._take_number(m.stream) for m in volatile]
+            numbers = [self._take_number(self._stream_of(m)) for m in durable]
+            vnumbers = [self._take_number(self._stream_of(m)) for m in volatile]
         if not one_phase and settling:
             self._lazy.flush()
             return
@@ -292,8 +353,8 @@ class MessageLog:
                 self._committing.add(gid)
                 durable = list(self._state.prepared.get(gid, []))
                 volatile = self._volatile_prepared.pop(gid, [])
-                numbers = [self._take_number(m.stream) for m in durable]
-                vnumbers = [self._take_number(m.stream) for m in volatile]
+                numbers = [self._take_number(self._stream_of(m)) for m in durable]
+                vnumbers = [self._take_number(self._stream_of(m)) for m in volatile]
         if settling:  # committed lazily by another caller: report once that record is durable
             self._lazy.flush()
             on_durable()
@@ -342,6 +403,10 @@ class MessageLog:
     def flush_commits(self) -> None:
         """Make every lazy commit record durable now and run its callback."""
         self._lazy.flush()
+
+    def _stream_of(self, message: Message) -> str:
+        """The stream ``message`` is numbered in: its key's partition of its destination."""
+        return stream_for(message, self._partitions(message.destination))
 
     def _take_number(self, stream: str) -> tuple[str, int]:
         s = self._state.stream(stream)

@@ -46,14 +46,16 @@ DLQ_SUFFIX = ".DLQ"
 
 # Reserved headers: the JMS message properties that are not the body (priority, the MSMQ
 # administration queue, whether it was sent in a transaction, the publisher whose order the
-# dispatcher keeps, the distribution list a copy belongs to). They travel as headers so the log's
-# records, the transfer frames and the remote protocol carry them unchanged; `new_message` checks
-# their values wherever a message enters (`_validation.check_message`).
+# dispatcher keeps, the distribution list a copy belongs to, the partition key). They travel as
+# headers so the log's records, the transfer frames and the remote protocol carry them unchanged;
+# `new_message` checks their values wherever a message enters (`_validation.check_message`).
 PRIORITY_HEADER = "twopc-priority"
 ADMIN_QUEUE_HEADER = "twopc-admin-queue"
 TRANSACTIONAL_HEADER = "twopc-transactional"
 PUBLISHER_HEADER = "twopc-publisher"
 LIST_HEADER = "twopc-list"
+#: the partition key of a message (``send(..., key=...)``): `_partition` hashes it
+KEY_HEADER = "twopc-key"
 DEFAULT_PRIORITY = 4  # JMS's default; 0 (lowest) to 9 (highest)
 
 
@@ -78,6 +80,11 @@ class Message:
     @property
     def stream(self) -> str:
         return self.destination if self.persistent else self.destination + VOLATILE_SUFFIX
+
+    @property
+    def key(self) -> str | None:
+        """The partition key (``send(..., key=...)``), or None."""
+        return self.headers.get(KEY_HEADER)
 
     @property
     def priority(self) -> int:

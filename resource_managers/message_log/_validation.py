@@ -21,6 +21,7 @@ from ._ids import new_id
 from ._records import (
     ADMIN_QUEUE_HEADER,
     DLQ_SUFFIX,
+    KEY_HEADER,
     LIST_HEADER,
     PRIORITY_HEADER,
     PUBLISHER_HEADER,
@@ -78,7 +79,7 @@ def _check_reserved(headers: Mapping[str, str]) -> None:
         raise InvalidMessageError(f"admin queue {admin[:80]!r} must be a plain queue")
     if headers.get(TRANSACTIONAL_HEADER, "1") not in ("0", "1"):
         raise InvalidMessageError(f"header {TRANSACTIONAL_HEADER!r} must be '0' or '1'")
-    for key in (PUBLISHER_HEADER, LIST_HEADER):
+    for key in (PUBLISHER_HEADER, LIST_HEADER, KEY_HEADER):
         if key in headers and not 0 < len(headers[key]) <= 200:
             raise InvalidMessageError(f"header {key!r} must be 1-200 characters")
 
@@ -192,11 +193,13 @@ def outgoing(
     publisher: str | None,
     now_ms: int,
     max_bytes: int,
+    key: str | None = None,
 ) -> list[Message]:
     """The messages one send stages: one per destination, each checked (`InvalidMessageError`
     for the first refusal, so a producer stages all or nothing). More than one destination is a
     distribution list (MSMQ): every copy carries the list's id in `LIST_HEADER`, and its own
-    message id, since each destination consumes and acknowledges its copy on its own."""
+    message id, since each destination consumes and acknowledges its copy on its own. ``key``
+    (`KEY_HEADER`) picks the partition of a partitioned destination (`_partition`)."""
     if isinstance(destinations, str) or not destinations:
         raise InvalidMessageError("a send needs one destination or a non-empty list of them")
     if len(set(destinations)) != len(destinations):
@@ -212,6 +215,10 @@ def outgoing(
         merged[TRANSACTIONAL_HEADER] = "0"
     if publisher is not None:
         merged[PUBLISHER_HEADER] = publisher
+    if key is not None:
+        if not isinstance(key, str):
+            raise InvalidMessageError(f"key must be a str, not {type(key).__name__}")
+        merged[KEY_HEADER] = key
     if len(destinations) > 1:
         merged[LIST_HEADER] = new_id()
     return [

@@ -94,6 +94,7 @@ class StagingBranch:
         admin_queue: str | None = None,
         transactional: bool = True,
         publisher: str | None = None,
+        key: str | None = None,
     ) -> str:
         """Stage a message; return its id. Refusals stage nothing: `InvalidMessageError` (bad
         destination, headers, body, priority, or larger than the log's ``max_message_bytes``),
@@ -101,11 +102,12 @@ class StagingBranch:
         ``priority`` 0-9 (default 4: JMS's), ``admin_queue`` receives a negative
         acknowledgment if a destination rejects the message, ``transactional=False`` marks a
         message a non-transactional queue accepts, ``publisher`` names whose order topic
-        dispatch keeps."""
+        dispatch keeps, ``key`` (1-200 characters) picks the partition of a destination whose
+        route names several cursors (one key, one partition: its messages keep their order)."""
         return self._stage(
             [destination], body, headers=headers, persistent=persistent, ttl=ttl,
             priority=priority, admin_queue=admin_queue, transactional=transactional,
-            publisher=publisher,
+            publisher=publisher, key=key,
         )[0]  # fmt: skip
 
     def send_to_list(
@@ -120,6 +122,7 @@ class StagingBranch:
         admin_queue: str | None = None,
         transactional: bool = True,
         publisher: str | None = None,
+        key: str | None = None,
     ) -> list[str]:
         """Stage one copy of the message per destination (a distribution list, MSMQ); return
         their ids. All copies commit or none: a refused copy stages nothing and dooms the
@@ -128,7 +131,7 @@ class StagingBranch:
             return self._stage(
                 destinations, body, headers=headers, persistent=persistent, ttl=ttl,
                 priority=priority, admin_queue=admin_queue, transactional=transactional,
-                publisher=publisher,
+                publisher=publisher, key=key,
             )  # fmt: skip
         except (InvalidMessageError, DestinationFullError) as exc:
             self.doomed = f"distribution-list send refused: {exc}"
@@ -146,6 +149,7 @@ class StagingBranch:
         admin_queue: str | None,
         transactional: bool,
         publisher: str | None,
+        key: str | None,
     ) -> list[str]:
         if self.closed:
             raise IllegalStateError(f"{self.name}: send after the branch ended")
@@ -154,7 +158,7 @@ class StagingBranch:
         messages = outgoing(
             destinations, body=body, headers=headers, persistent=persistent, ttl=ttl,
             priority=priority, admin_queue=admin_queue, transactional=transactional,
-            publisher=publisher, now_ms=self._now_ms(), max_bytes=self._max_bytes(),
+            publisher=publisher, now_ms=self._now_ms(), max_bytes=self._max_bytes(), key=key,
         )  # fmt: skip
         for message in messages:  # a list's destinations differ: one more each
             self._check_room(message.destination, self.staged[message.destination] + 1)

@@ -13,7 +13,8 @@ restarted service would, before doing new work. The secret comes from ``TWOPC_SE
 ``produce``: transaction ``t`` (1..N) of producer ``P`` inserts one ``produced`` row per message
 (key ``P:t:j``) and sends the K messages; every R-th transaction raises instead, so it rolls
 back. A restarted producer resumes after its last committed transaction. Printed: ``ACK t``,
-``ABORTED t``, ``FAILED t <code>`` and ``DONE``.
+``ABORTED t``, ``FAILED t <code>`` and ``DONE``. ``--keys N``: each message carries the partition
+key `partition_key` (one of N) for a partitioned destination.
 
 ``consume``: a `Consumer` loop whose handler inserts one ``consumed`` row per message (no unique
 key, so a duplicate shows up in the audit rather than as an error); it exits once ``--stop-file``
@@ -47,6 +48,12 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS consumed (id bigserial PRIMARY KEY, key text NOT NULL, "
     "consumer text NOT NULL, message_id text NOT NULL, delivery_count int NOT NULL)",
 )
+
+
+def partition_key(t: int, j: int, keys: int) -> str:
+    """The partition key of message ``j`` of transaction ``t`` for a producer with ``--keys``:
+    consecutive messages take different keys, so one transaction spreads over the partitions."""
+    return f"k{(t + j) % keys}"
 
 
 class Rollback(Exception):
@@ -131,7 +138,11 @@ def _produce_one(
             {"k": key, "p": args.id, "t": t, "j": j},
         )
         branch.send(
-            args.destination, key.encode(), headers={"producer": args.id}, publisher=args.id
+            args.destination,
+            key.encode(),
+            headers={"producer": args.id},
+            publisher=args.id,
+            key=partition_key(t, j, args.keys) if args.keys else None,
         )
     if args.rollback_every and t % args.rollback_every == 0:
         raise Rollback(t)
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--txs", type=int, default=20)
     p.add_argument("--per-tx", type=int, default=3)
     p.add_argument("--rollback-every", type=int, default=5)
+    p.add_argument("--keys", type=int, default=0, help="partition keys (0: keyless messages)")
     c = sub.add_parser("consume")
     c.add_argument("--cursor", required=True)
     c.add_argument("--batch", type=int, default=1)

@@ -1,5 +1,5 @@
-"""The examples of docs/messaging.md, README.md, docs/postgres.md, docs/concepts.md and
-docs/redis.md run.
+"""The examples of docs/messaging.md, README.md, docs/postgres.md, docs/concepts.md,
+docs/redis.md and docs/scale.md run.
 
 A block is an example when the line right before its ```` ```python ```` fence is
 ``<!-- example: NAME -->``. Each runs as a script of its own in a fresh interpreter (cwd a
@@ -68,6 +68,7 @@ OTHER_PAGES = (
     REPO / "docs" / "postgres.md",
     REPO / "docs" / "concepts.md",
     REPO / "docs" / "redis.md",
+    REPO / "docs" / "scale.md",
 )
 EXAMPLES = [
     *examples(DOC.read_text(encoding="utf-8")),

@@ -105,7 +105,7 @@ class Cluster:
     def __init__(
         self, workdir: Path, pg_url: str, *, proxy: Any = None, consumer_proxy: Any = None,
         consumer_tx_timeout: float = 30.0, llr: bool = False, logs: int = 1, cursors: int = 1,
-        routes: tuple[tuple[str, int], ...] = (),
+        routes: tuple[tuple[str, int | tuple[int, ...]], ...] = (),
     ) -> None:  # fmt: skip
         """``proxy``: a `FaultProxy` between the log and the cursor; ``consumer_proxy``: one
         between the consumers and the cursor (both forward to ``cursor_port``); ``llr``: the
@@ -113,7 +113,8 @@ class Cluster:
         log servers (``log``, ``log1``, ``log2``...: each its own directory and port) send to the
         cursor; ``cursors``: how many cursor servers (``cursor``, ``cursor1``...), the first the
         logs' default route; ``routes``: (destination glob, cursor number) of every log's
-        ``--route``."""
+        ``--route``; a tuple of cursor numbers partitions the destinations it matches over
+        them, in that order."""
         self.llr = ["--llr"] if llr else []
         self.workdir = workdir
         self.pg_url = pg_url
@@ -127,6 +128,8 @@ class Cluster:
         self.consumer_proxy = consumer_proxy
         self.consumer_tx_timeout = consumer_tx_timeout
         self.procs: dict[str, Proc] = {}
+        #: producer id -> how many partition keys it spreads its messages over (0: keyless)
+        self.keyed: dict[str, int] = {}
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
         self.stop_file = workdir / "stop"
@@ -167,8 +170,7 @@ class Cluster:
                             "--dir", str(self.workdir / name),
                             "--listen", f"127.0.0.1:{port}"],
                      crash_cursor if name == "cursor" else crash_servers.get(name))  # fmt: skip
-        routes = [a for glob, i in self.routes
-                  for a in ("--route", f"{glob}=127.0.0.1:{self.cursor_ports[i]}")]  # fmt: skip
+        routes = [a for glob, i in self.routes for a in ("--route", f"{glob}={self._at(i)}")]
         for name, port in zip(self.log_names, self.log_ports, strict=True):
             self.add(name, [py, "-c", SERVE, "serve", "log", "--dir", str(self.workdir / name),
                             "--listen", f"127.0.0.1:{port}",
@@ -178,16 +180,23 @@ class Cluster:
         for name in (*self.cursor_names, *self.log_names):
             self.wait_for(name, "listening on", 30)
 
+    def _at(self, cursors: int | tuple[int, ...]) -> str:
+        """A route's ``HOST:PORT[,HOST:PORT...]`` of cursor number(s) ``cursors``."""
+        numbers = (cursors,) if isinstance(cursors, int) else cursors
+        return ",".join(f"127.0.0.1:{self.cursor_ports[i]}" for i in numbers)
+
     def add_producer(self, pid: str, *, txs: int, per_tx: int, rollback_every: int,
                      crash_at: str | None = None, destination: str = "orders",
-                     log: int = 0) -> Proc:  # fmt: skip
-        """A producer sending through log server number ``log``."""
+                     log: int = 0, keys: int = 0) -> Proc:  # fmt: skip
+        """A producer sending through log server number ``log``; with ``keys``, each message
+        carries one of that many partition keys (`msg_worker.partition_key`)."""
         port = self.log_ports[log]
+        self.keyed[pid] = keys
         argv = [sys.executable, str(WORKER), "produce", "--log", f"127.0.0.1:{port}",
                 "--pg", self.pg_url, "--id", pid, "--state", str(self.workdir / f"p-{pid}"),
                 "--txs", str(txs), "--per-tx", str(per_tx),
                 "--rollback-every", str(rollback_every), "--destination", destination,
-                *self.llr]  # fmt: skip
+                "--keys", str(keys), *self.llr]  # fmt: skip
         return self.add(f"producer-{pid}", argv, crash_at, done="DONE")
 
     def add_consumer(self, cid: str, *, batch: int = 1, crash_at: str | None = None,
@@ -295,6 +304,23 @@ class Cluster:
 
     # -- the audit ------------------------------------------------------------------------------
 
+    def _disorder(self, consumed: list[str], produced: dict[str, tuple[str, int, int]]) -> int:
+        """Messages consumed after one their producer committed later: per producer (so per
+        log and destination), or, for a producer of keyed messages to a partitioned
+        destination, per producer and partition key (the order a partition keeps)."""
+        from tests.crash.msg_worker import partition_key  # a script: imported only when needed
+
+        last: dict[tuple[str, str], tuple[int, int]] = {}
+        disorder = 0
+        for key in consumed:
+            producer, tx, j = produced.get(key, ("?", 0, 0))
+            keys = self.keyed.get(producer, 0)
+            group = (producer, partition_key(tx, j, keys) if keys else "")
+            if last.get(group, (0, -1)) >= (tx, j):
+                disorder += 1
+            last[group] = (tx, j)
+        return disorder
+
     def audit(self, *, ordered: bool) -> dict[str, Any]:
         """Stop everything, then check the database and both journals."""
         self.close()
@@ -321,17 +347,10 @@ class Cluster:
             "by_producer": dict(Counter(producer for producer, _, _ in produced.values())),
         }
         if ordered:
-            last: dict[str, tuple[int, int]] = {}
-            disorder = 0
-            for key in consumed:
-                producer, tx, j = produced.get(key, ("?", 0, 0))
-                if last.get(producer, (0, -1)) >= (tx, j):
-                    disorder += 1
-                last[producer] = (tx, j)
-            report["out_of_order"] = disorder
+            report["out_of_order"] = self._disorder(consumed, produced)
         report["log_pending"] = report["log_prepared"] = 0
         for name in self.log_names:
-            with MessageLog(self.workdir / name) as mlog:
+            with MessageLog(self.workdir / name, allow_repartition=True) as mlog:  # counts only
                 stats = mlog.stats()
                 report["log_pending"] += stats.pending
                 report["log_prepared"] += stats.prepared

@@ -23,7 +23,7 @@ def test_a_route_parses_pattern_and_cursor() -> None:
 @pytest.mark.parametrize(
     "text",
     ["orders.*", "=10.0.0.1:7402", "orders.*=", "orders.*=host", "orders.*=h:99999",
-     "orders.*=10.0.0.1:7402,10.0.0.2:7402"],
+     "orders.*=10.0.0.1:7402,", "orders.*=10.0.0.1:7402,10.0.0.1:7402"],
 )  # fmt: skip
 def test_a_bad_route_is_a_configuration_error(text: str) -> None:
     with pytest.raises(ConfigurationError) as caught:
