@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -89,6 +90,14 @@ class MessageLogStats:
     tombstones: int
     pending: int
     streams: int
+
+
+#: the random low bits of an incarnation (`MessageLog._open`)
+INCARNATION_BITS = 20
+
+
+def _random_bits() -> int:
+    return secrets.randbits(INCARNATION_BITS)
 
 
 def now_ms() -> int:
@@ -167,7 +176,12 @@ class MessageLog:
         here once (a uuid4) when the journal has none — a new directory, or one written before
         identities. Nothing is sent before it is durable, so a crash before then leaves no
         trace of the identity, and the next open chooses again."""
-        incarnation = max(self._state.incarnation + 1, self._clock())
+        # the clock's milliseconds, with 20 random bits below them: two opens of one journal
+        # (a copied directory started beside the original) in the same millisecond must still
+        # differ, or neither would be fenced (`identity_fencing`); above every earlier open's
+        incarnation = max(
+            self._state.incarnation + 1, (self._clock() << INCARNATION_BITS) | _random_bits()
+        )
         identity = self._state.identity or uuid.uuid4().hex
         self._append([{"k": "O", "n": incarnation, "i": identity}], force=True)
         crash_point("mlog.after_open")
