@@ -8,7 +8,7 @@ import time
 import uuid
 from collections import deque
 from types import TracebackType
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 from coordinator import (
     IllegalStateError,
@@ -22,10 +22,13 @@ from coordinator import (
 from coordinator.crashpoints import crash_point
 from messaging.consumer import require_settled
 from resource_managers.cursor import Delivery
-from resource_managers.message_log import validate_destination
+from resource_managers.message_log import MessageOptions, SendKwargs, validate_destination
 
 from ._subscriber import Subscriber, topic_verbs
 from ._types import AckMode, ConsumerHandle, Handler, ProducerHandle, Received
+
+if TYPE_CHECKING:  # Unpack is in typing from Python 3.11
+    from typing_extensions import Unpack
 
 log = logging.getLogger("twopc.session")
 
@@ -115,96 +118,57 @@ class Session:
 
     @overload
     def send(
-        self,
-        destination: str,
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        *,
-        persistent: bool = True,
-        ttl: float | None = None,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        key: str | None = None,
-    ) -> str: ...
+        self, destination: str, body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[MessageOptions],
+    ) -> str: ...  # fmt: skip
 
     @overload
     def send(
-        self,
-        destination: list[str],
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        *,
-        persistent: bool = True,
-        ttl: float | None = None,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        key: str | None = None,
-    ) -> list[str]: ...
+        self, destination: list[str], body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[MessageOptions],
+    ) -> list[str]: ...  # fmt: skip
 
     def send(
-        self,
-        destination: str | list[str],
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        *,
-        persistent: bool = True,
-        ttl: float | None = None,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        key: str | None = None,
-    ) -> str | list[str]:
+        self, destination: str | list[str], body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[MessageOptions],
+    ) -> str | list[str]:  # fmt: skip
         """Send ``body`` to ``destination``, or one copy to each of a list (a distribution list,
-        MSMQ; all copies or none); return the message id(s).
+        MSMQ; all copies or none); return the message id(s). ``options``: a branch's send
+        options (`SendOptions`) but ``transactional`` and ``publisher``, which the session sets
+        (its client id publishes).
 
         ``TRANSACTED``: staged in the open transaction, forwarded only if `commit` commits it.
         Otherwise a transaction of its own that has committed when this returns: for a persistent
         message the log has forced it to disk and accepted responsibility for it (JMS).
         If it fails this raises: `TransactionRolledBack`, nothing was sent; `OutcomeUnknownError`
-        (a remote log that stopped answering during the commit), it may have been. ``key``
-        picks the partition of a partitioned destination (messages of one key keep their
-        order)."""
+        (a remote log that stopped answering during the commit), it may have been."""
         producer = self._producer_resource()
         sent: str | list[str]
         if self.mode is AckMode.TRANSACTED:  # a refused send stages nothing: the rest stands
-            return self._stage(self._join(producer), destination, body, headers,
-                               persistent=persistent, ttl=ttl, priority=priority,
-                               admin_queue=admin_queue, transactional=True, key=key)  # fmt: skip
+            return self._stage(self._join(producer), destination, body, headers, True, options)
         tx = self._begin()
         try:
-            sent = self._stage(tx.join(producer), destination, body, headers,
-                               persistent=persistent, ttl=ttl, priority=priority,
-                               admin_queue=admin_queue, transactional=False, key=key)  # fmt: skip
+            sent = self._stage(tx.join(producer), destination, body, headers, False, options)
         except BaseException:
             tx.rollback()
             raise
         tx.commit()
         return sent
 
-    def _stage(
+    def _stage(  # noqa: PLR0917 - a private step of `send`
         self,
         branch: ProducerHandle,
         destination: str | list[str],
         body: bytes,
         headers: dict[str, str] | None,
-        *,
-        persistent: bool,
-        ttl: float | None,
-        priority: int | None,
-        admin_queue: str | None,
         transactional: bool,
-        key: str | None,
+        options: MessageOptions,
     ) -> str | list[str]:
+        kwargs: SendKwargs = {**options, "transactional": transactional,
+                              "publisher": self.client_id}  # fmt: skip
         if isinstance(destination, list):
-            return branch.send_to_list(
-                destination, body, headers, persistent, ttl, priority=priority,
-                admin_queue=admin_queue, transactional=transactional, publisher=self.client_id,
-                key=key,
-            )  # fmt: skip
-        return branch.send(
-            destination, body, headers, persistent, ttl, priority=priority,
-            admin_queue=admin_queue, transactional=transactional, publisher=self.client_id,
-            key=key,
-        )  # fmt: skip
+            return branch.send_to_list(destination, body, headers, **kwargs)
+        return branch.send(destination, body, headers, **kwargs)
 
     # -- consuming -------------------------------------------------------------------------------
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from resource_managers.cursor import Delivery, Subscription
-from resource_managers.message_log import Message
+from resource_managers.message_log import Message, SendKwargs
+
+if TYPE_CHECKING:  # Unpack is in typing from Python 3.11
+    from typing_extensions import Unpack
 
 
 class AckMode(enum.Enum):
@@ -33,34 +36,14 @@ class ProducerHandle(Protocol):
     """What ``tx.join(log)`` returns: `ProducerBranch` or `RemoteProducerBranch`."""
 
     def send(
-        self,
-        destination: str,
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        persistent: bool = True,
-        ttl: float | None = None,
-        *,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        transactional: bool = True,
-        publisher: str | None = None,
-        key: str | None = None,
-    ) -> str: ...
+        self, destination: str, body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[SendKwargs],
+    ) -> str: ...  # fmt: skip
 
     def send_to_list(
-        self,
-        destinations: list[str],
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        persistent: bool = True,
-        ttl: float | None = None,
-        *,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        transactional: bool = True,
-        publisher: str | None = None,
-        key: str | None = None,
-    ) -> list[str]: ...
+        self, destinations: list[str], body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[SendKwargs],
+    ) -> list[str]: ...  # fmt: skip
 
 
 class TopicVerbs(Protocol):

@@ -13,6 +13,7 @@ from ._log import (
     MessageLogStats,
     journal_replay,
 )
+from ._options import MessageOptions, SendKwargs, SendOptions
 from ._partition import (
     MAX_PARTITIONS,
     StreamName,
@@ -64,7 +65,10 @@ __all__ = [
     "MessageLog",
     "MessageLogResource",
     "MessageLogStats",
+    "MessageOptions",
     "ProducerBranch",
+    "SendKwargs",
+    "SendOptions",
     "StagingBranch",
     "StreamName",
     "check_message",

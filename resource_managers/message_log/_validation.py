@@ -18,6 +18,7 @@ from typing import cast
 from coordinator.errors import ProgrammingError
 
 from ._ids import new_id
+from ._options import DEFAULT, SendOptions
 from ._records import (
     ADMIN_QUEUE_HEADER,
     DLQ_SUFFIX,
@@ -185,15 +186,9 @@ def outgoing(
     *,
     body: object,
     headers: Mapping[str, str] | None,
-    persistent: bool,
-    ttl: float | None,
-    priority: int | None,
-    admin_queue: str | None,
-    transactional: bool,
-    publisher: str | None,
+    options: SendOptions = DEFAULT,
     now_ms: int,
     max_bytes: int,
-    key: str | None = None,
 ) -> list[Message]:
     """The messages one send stages: one per destination, each checked (`InvalidMessageError`
     for the first refusal, so a producer stages all or nothing). More than one destination is a
@@ -204,6 +199,7 @@ def outgoing(
         raise InvalidMessageError("a send needs one destination or a non-empty list of them")
     if len(set(destinations)) != len(destinations):
         raise InvalidMessageError("a distribution list names a destination twice")
+    persistent, ttl, priority, admin_queue, transactional, publisher, key = options
     merged = dict(headers or {})
     if priority is not None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:

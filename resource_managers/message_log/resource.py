@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator import (
     IllegalStateError,
@@ -42,8 +42,12 @@ from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_nam
 from resource_managers import lazy_commit
 
 from ._log import BranchRolledBack, DestinationFullError, MessageLog
+from ._options import SendKwargs, SendOptions
 from ._records import Message
 from ._validation import InvalidMessageError, outgoing
+
+if TYPE_CHECKING:  # Unpack is in typing from Python 3.11
+    from typing_extensions import Unpack
 
 
 class BranchDoomed(TransactionRolledBack):
@@ -83,56 +87,24 @@ class StagingBranch:
         checks at prepare instead)."""
 
     def send(
-        self,
-        destination: str,
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        persistent: bool = True,
-        ttl: float | None = None,
-        *,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        transactional: bool = True,
-        publisher: str | None = None,
-        key: str | None = None,
-    ) -> str:
-        """Stage a message; return its id. Refusals stage nothing: `InvalidMessageError` (bad
-        destination, headers, body, priority, or larger than the log's ``max_message_bytes``),
-        `DestinationFullError` (a `TransientError`: the destination is at its limit).
-        ``priority`` 0-9 (default 4: JMS's), ``admin_queue`` receives a negative
-        acknowledgment if a destination rejects the message, ``transactional=False`` marks a
-        message a non-transactional queue accepts, ``publisher`` names whose order topic
-        dispatch keeps, ``key`` (1-200 characters) picks the partition of a destination whose
-        route names several cursors (one key, one partition: its messages keep their order)."""
-        return self._stage(
-            [destination], body, headers=headers, persistent=persistent, ttl=ttl,
-            priority=priority, admin_queue=admin_queue, transactional=transactional,
-            publisher=publisher, key=key,
-        )[0]  # fmt: skip
+        self, destination: str, body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[SendKwargs],
+    ) -> str:  # fmt: skip
+        """Stage a message; return its id. ``options``: `SendOptions` (priority, ttl, key, …).
+        Refusals stage nothing: `InvalidMessageError` (bad destination, headers, body, option,
+        or larger than the log's ``max_message_bytes``), `DestinationFullError` (a
+        `TransientError`: the destination is at its limit)."""
+        return self._stage([destination], body, headers, SendOptions.of(options))[0]
 
     def send_to_list(
-        self,
-        destinations: list[str],
-        body: bytes,
-        headers: dict[str, str] | None = None,
-        persistent: bool = True,
-        ttl: float | None = None,
-        *,
-        priority: int | None = None,
-        admin_queue: str | None = None,
-        transactional: bool = True,
-        publisher: str | None = None,
-        key: str | None = None,
-    ) -> list[str]:
+        self, destinations: list[str], body: bytes, headers: dict[str, str] | None = None,
+        **options: Unpack[SendKwargs],
+    ) -> list[str]:  # fmt: skip
         """Stage one copy of the message per destination (a distribution list, MSMQ); return
         their ids. All copies commit or none: a refused copy stages nothing and dooms the
         branch, so the transaction rolls back."""
         try:
-            return self._stage(
-                destinations, body, headers=headers, persistent=persistent, ttl=ttl,
-                priority=priority, admin_queue=admin_queue, transactional=transactional,
-                publisher=publisher, key=key,
-            )  # fmt: skip
+            return self._stage(destinations, body, headers, SendOptions.of(options))
         except (InvalidMessageError, DestinationFullError) as exc:
             self.doomed = f"distribution-list send refused: {exc}"
             raise
@@ -141,24 +113,16 @@ class StagingBranch:
         self,
         destinations: list[str],
         body: bytes,
-        *,
         headers: dict[str, str] | None,
-        persistent: bool,
-        ttl: float | None,
-        priority: int | None,
-        admin_queue: str | None,
-        transactional: bool,
-        publisher: str | None,
-        key: str | None,
+        options: SendOptions,
     ) -> list[str]:
         if self.closed:
             raise IllegalStateError(f"{self.name}: send after the branch ended")
         if tracing.installed() is not None:  # the sending transaction's trace travels along
             headers = {**(headers or {}), **tracing.message_headers(self.xid.gtrid)}
         messages = outgoing(
-            destinations, body=body, headers=headers, persistent=persistent, ttl=ttl,
-            priority=priority, admin_queue=admin_queue, transactional=transactional,
-            publisher=publisher, now_ms=self._now_ms(), max_bytes=self._max_bytes(), key=key,
+            destinations, body=body, headers=headers, options=options, now_ms=self._now_ms(),
+            max_bytes=self._max_bytes(),
         )  # fmt: skip
         for message in messages:  # a list's destinations differ: one more each
             self._check_room(message.destination, self.staged[message.destination] + 1)

@@ -22,7 +22,7 @@ from messaging.remote import RemoteMessageLog
 from messaging.routes import Route
 from messaging.server import CursorServer, LogServer
 from messaging.session import Session
-from resource_managers.message_log import Message, MessageLog, outgoing, partition_of
+from resource_managers.message_log import Message, MessageLog, SendOptions, outgoing, partition_of
 from resource_managers.sequencing import DoublingBackoff, split_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,6 @@ def test_serve_log_refuses_a_changed_partition_count(tmp_path: Path) -> None:
 
 def _message(destination: str, key: str) -> Message:
     return outgoing(
-        [destination], body=b"x", headers=None, persistent=True, ttl=None, priority=None,
-        admin_queue=None, transactional=True, publisher=None, now_ms=0, max_bytes=1 << 20,
-        key=key,
+        [destination], body=b"x", headers=None, now_ms=0, max_bytes=1 << 20,
+        options=SendOptions(persistent=True, key=key),
     )[0]  # fmt: skip

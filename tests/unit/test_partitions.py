@@ -29,6 +29,7 @@ from resource_managers.message_log import (
     InvalidMessageError,
     Message,
     MessageLog,
+    SendOptions,
     StreamName,
     on_its_stream,
     outgoing,
@@ -42,9 +43,8 @@ A, B, C, DEFAULT = ("10.0.0.1", 1), ("10.0.0.2", 2), ("10.0.0.3", 3), ("127.0.0.
 
 def keyed(destination: str, key: str | None, *, persistent: bool = True) -> Message:
     return outgoing(
-        [destination], body=b"x", headers=None, persistent=persistent, ttl=None, priority=None,
-        admin_queue=None, transactional=True, publisher=None, now_ms=0, max_bytes=1 << 20,
-        key=key,
+        [destination], body=b"x", headers=None, now_ms=0, max_bytes=1 << 20,
+        options=SendOptions(persistent=persistent, key=key),
     )[0]  # fmt: skip
 
 
