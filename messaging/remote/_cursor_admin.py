@@ -17,6 +17,7 @@ from typing import TypeVar
 from coordinator.errors import IllegalStateError, OutcomeUnknownError
 from messaging.connection import Connection
 from messaging.frames import FrameType, Value
+from resource_managers.bookkeeping import B
 from resource_managers.cursor import Delivery, QueueDepth, Subscription
 
 from ._pool import _alive
@@ -36,7 +37,7 @@ from .protocol import RemoteUnavailable
 T = TypeVar("T")
 
 
-class CursorAdmin(_RemoteResource):
+class CursorAdmin(_RemoteResource[B]):
     """The administrative calls of `RemoteCursor`, which calls `_init_admin` when it is made.
 
     **Attachments live on one connection.** The server counts a subscriber as connected while

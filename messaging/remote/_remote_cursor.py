@@ -94,7 +94,7 @@ class RemoteConsumerBranch:
                     return got
 
 
-class RemoteCursor(CursorAdmin):
+class RemoteCursor(CursorAdmin[RemoteConsumerBranch]):
     """A cursor served by ``twopc serve cursor``, as a resource manager (role ``consumer``), and
     its administration: subscriptions (JMS), dead letters and non-transactional queues
     (MSMQ), the same calls as on a local `Cursor` (see `CursorAdmin`, which also explains
@@ -123,18 +123,12 @@ class RemoteCursor(CursorAdmin):
             server_hostname=server_hostname, timeout=timeout, sort_key=sort_key,
             lazy_commit=lazy_commit,
         )  # fmt: skip
-        self._branches: dict[Xid, RemoteConsumerBranch] = {}
         self._init_admin()
 
     # -- branches ------------------------------------------------------------------------------
 
     def start(self, xid: Xid) -> RemoteConsumerBranch:
-        branch = RemoteConsumerBranch(self, self._check(xid))
-        with self._lock:
-            if xid in self._branches:
-                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
-            self._branches[xid] = branch
-        return branch
+        return self._begin(xid, RemoteConsumerBranch(self, self._check(xid)))
 
     def _lost(self, branch: RemoteConsumerBranch, why: str) -> BranchLost:
         branch.lost = True
@@ -184,14 +178,6 @@ class RemoteCursor(CursorAdmin):
         branch.deliveries += got
         return got
 
-    def _take(self, xid: Xid) -> RemoteConsumerBranch:
-        with self._lock:
-            branch = self._branches.pop(self._check(xid), None)
-        if branch is None:
-            raise IllegalStateError(f"{self._name}: no active branch {xid}")
-        branch.closed = True
-        return branch
-
     def _finish(
         self, branch: RemoteConsumerBranch, verb: FrameType, args: dict[str, Value],
         decode: Callable[[Result], T],
@@ -218,15 +204,10 @@ class RemoteCursor(CursorAdmin):
             except (_Unsent, _Lost) as exc:
                 raise self._lost(branch, f"connection broke at prepare: {exc}") from exc
 
-    def _active(self, xid: Xid) -> bool:
-        with self._lock:
-            return xid in self._branches
-
     def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
         if not one_phase:
-            with self._lock:
-                if xid in self._branches:
-                    raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+            if self._active(xid):
+                raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
             return self._commit_prepared(self._check(xid))
         branch = self._take(xid)
         with branch.lock:
@@ -248,11 +229,9 @@ class RemoteCursor(CursorAdmin):
                 ) from exc
 
     def rollback(self, xid: Xid) -> Outcome | None:
-        with self._lock:
-            branch = self._branches.pop(self._check(xid), None)
+        branch = self._drop(xid)
         if branch is None:
             return self._rollback_remote(xid)
-        branch.closed = True
         if not branch.lock.acquire(blocking=False):  # a receive is running (the reaper calls)
             return self._rollback_remote(xid)
         try:

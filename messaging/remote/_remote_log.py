@@ -13,7 +13,7 @@ from __future__ import annotations
 import ssl
 import time
 
-from coordinator.errors import IllegalStateError, OutcomeUnknownError, ProgrammingError
+from coordinator.errors import OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
 from messaging.auth import SharedSecret
@@ -46,7 +46,7 @@ class RemoteProducerBranch(StagingBranch):
         return self._limit
 
 
-class RemoteMessageLog(_RemoteResource):
+class RemoteMessageLog(_RemoteResource[RemoteProducerBranch]):
     """A message log served by ``twopc serve log``, as a resource manager (role ``producer``).
 
     ``name`` is the bqual (the server keeps one resource per name): keep it stable, and unique
@@ -77,23 +77,9 @@ class RemoteMessageLog(_RemoteResource):
         if max_message_bytes < 1:
             raise ProgrammingError("max_message_bytes must be >= 1")
         self.max_message_bytes = max_message_bytes
-        self._branches: dict[Xid, RemoteProducerBranch] = {}
 
     def start(self, xid: Xid) -> RemoteProducerBranch:
-        branch = RemoteProducerBranch(self, self._check(xid))
-        with self._lock:
-            if xid in self._branches:
-                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
-            self._branches[xid] = branch
-        return branch
-
-    def _take(self, xid: Xid) -> RemoteProducerBranch:
-        with self._lock:
-            branch = self._branches.pop(self._check(xid), None)
-        if branch is None:
-            raise IllegalStateError(f"{self._name}: no active branch {xid}")
-        branch.closed = True
-        return branch
+        return self._begin(xid, RemoteProducerBranch(self, self._check(xid)))
 
     def prepare(self, xid: Xid) -> Vote:
         branch = self._take(xid)
@@ -124,15 +110,10 @@ class RemoteMessageLog(_RemoteResource):
             args["after"] = list(after)
         return after
 
-    def _active(self, xid: Xid) -> bool:
-        with self._lock:
-            return xid in self._branches
-
     def commit(self, xid: Xid, one_phase: bool = False) -> Outcome | None:
         if not one_phase:
-            with self._lock:
-                if xid in self._branches:
-                    raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+            if self._active(xid):
+                raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
             return self._commit_prepared(self._check(xid))
         branch = self._take(xid)
         if branch.doomed is not None:
@@ -156,9 +137,6 @@ class RemoteMessageLog(_RemoteResource):
         return outcome
 
     def rollback(self, xid: Xid) -> Outcome | None:
-        with self._lock:
-            branch = self._branches.pop(self._check(xid), None)
-        if branch is not None:  # never shipped: the server has never heard of it
-            branch.closed = True
+        if self._drop(xid) is not None:  # never shipped: the server has never heard of it
             return None
         return self._rollback_remote(xid)

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import itertools
 import ssl
-import threading
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from coordinator.crashpoints import crash_point
-from coordinator.errors import FrameError, InvalidXidError, ProgrammingError
+from coordinator.errors import FrameError, ProgrammingError
 from coordinator.resource import Outcome
-from coordinator.xid import Xid, branches_of, is_sub_branch_of, validate_resource_name
+from coordinator.xid import Xid, branches_of
 from messaging.auth import SharedSecret
 from messaging.connection import Address, Connection
 from messaging.frames import FrameType, Value, XaReply, XaRequest
+from resource_managers.bookkeeping import B, Branches
 
 from ._commit_replies import CommitReplies
 from ._pool import _Pool
@@ -40,7 +40,7 @@ from ._replies import Result, _Bad, _gids, _outcome
 from .protocol import RemoteUnavailable, error_from_reply
 
 T = TypeVar("T")
-_R = TypeVar("_R", bound="_RemoteResource")
+_R = TypeVar("_R", bound="_RemoteResource[Any]")
 
 
 class _Unsent(Exception):
@@ -51,7 +51,7 @@ class _Lost(Exception):
     """The request was sent and no valid answer came: the server may have acted."""
 
 
-class _RemoteResource:
+class _RemoteResource(Branches[B]):
     """What both remote resources share: the pool, the request loop, the idempotent verbs."""
 
     _role: str
@@ -71,15 +71,13 @@ class _RemoteResource:
     ) -> None:
         if not timeout > 0:
             raise ProgrammingError("timeout must be > 0 seconds")
-        self._name = validate_resource_name(name)
-        self._sort_key = sort_key or self._name
+        super().__init__(name, sort_key)
         self.timeout = timeout
         self._pool = _Pool(
             address, secret, client_id=client_id, role=self._role, tls=tls,
             server_hostname=server_hostname, timeout=timeout,
         )  # fmt: skip
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
         self._replies = CommitReplies(
             self._name, timeout,
             read=lambda conn, request_id, left: self._answer(
@@ -91,14 +89,6 @@ class _RemoteResource:
         #: gids whose phase-two commit was issued here and not yet confirmed (answered, or seen
         #: gone by `recover`): a remote log's next prepare names them (`_remote_log`)
         self._unconfirmed: dict[str, None] = {}
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def sort_key(self) -> str:
-        return self._sort_key
 
     @property
     def address(self) -> Address:
@@ -117,11 +107,6 @@ class _RemoteResource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _check(self, xid: Xid) -> Xid:
-        if xid.bqual != self._name and not is_sub_branch_of(xid.bqual, self._name):
-            raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
-        return xid
 
     # -- one request -----------------------------------------------------------------------
 
@@ -239,10 +224,6 @@ class _RemoteResource:
     def _unconfirmed_commits(self) -> list[str]:
         with self._lock:
             return list(self._unconfirmed)
-
-    def _active(self, xid: Xid) -> bool:
-        """The branch is still in its work phase here (never prepared)."""
-        raise NotImplementedError
 
     def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
         """Phase two's commit without waiting for the answer (`coordinator.lazy_commit`): sent,

@@ -28,13 +28,11 @@ yet returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``; 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from coordinator import (
     IllegalStateError,
-    InvalidXidError,
     Outcome,
     ProgrammingError,
     Vote,
@@ -42,8 +40,9 @@ from coordinator import (
     tracing,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.xid import branches_of, validate_resource_name
+from coordinator.xid import branches_of
 from resource_managers import lazy_commit
+from resource_managers.bookkeeping import Branches
 from resource_managers.message_log import validate_destination
 
 from ._cursor import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Cursor, Delivery
@@ -85,13 +84,15 @@ class ConsumerBranch:
         return got
 
 
-class CursorResource:
+class CursorResource(Branches[ConsumerBranch]):
     """A `Cursor` as a resource manager. ``name`` is the bqual: keep it stable.
 
     ``lazy_commit`` (default True): in phase two the commit record (the deletion of the branch's
     messages) is not forced; the cursor's next forced record carries it (or an fsync of its own
     ``lazy_delay`` later), and the coordinator keeps its decision until then
     (`coordinator.lazy_commit`). False: forced before the commit returns."""
+
+    _sub_branches = False  # a cursor's branches are its consumers', never another process's
 
     def __init__(
         self,
@@ -104,33 +105,16 @@ class CursorResource:
     ) -> None:
         if max_deliveries < 1:
             raise ProgrammingError("max_deliveries must be >= 1")
+        super().__init__(name, sort_key)
         self.lazy_commit = lazy_commit
-        self._name = validate_resource_name(name)
-        self._sort_key = sort_key or self._name
         self.cursor = cursor
         self.max_deliveries = max_deliveries
-        self._lock = threading.Lock()
-        self._branches: dict[Xid, ConsumerBranch] = {}
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def sort_key(self) -> str:
-        return self._sort_key
 
     def __repr__(self) -> str:
         return f"CursorResource({self._name!r}, {str(self.cursor.directory)!r})"
 
     def start(self, xid: Xid) -> ConsumerBranch:
-        self._check(xid)
-        branch = ConsumerBranch(self, xid)
-        with self._lock:
-            if xid in self._branches:
-                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
-            self._branches[xid] = branch
-        return branch
+        return self._begin(xid, ConsumerBranch(self, self._check(xid)))
 
     def prepare(self, xid: Xid) -> Vote:
         self._take(xid)
@@ -159,11 +143,9 @@ class CursorResource:
 
     def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
         """Phase two's commit, its record lazy: `resource_managers.lazy_commit`."""
-        with self._lock:
-            active = xid in self._branches
         return lazy_commit.commit_lazily(
-            self.cursor, self._check(xid), on_durable, active=active, lazy=self.lazy_commit,
-            durable_commit=self.commit, points=f"cursor.{self._name}",
+            self.cursor, self._check(xid), on_durable, active=self._active(xid),
+            lazy=self.lazy_commit, durable_commit=self.commit, points=f"cursor.{self._name}",
         )  # fmt: skip
 
     def flush_commits(self) -> None:
@@ -172,10 +154,7 @@ class CursorResource:
 
     def rollback(self, xid: Xid) -> Outcome | None:
         gid = self._check(xid).to_gid()
-        with self._lock:
-            branch = self._branches.pop(xid, None)
-        if branch is not None:
-            branch.closed = True
+        self._drop(xid)
         if self.cursor.is_committed(gid):
             return Outcome.HEURISTIC_COMMIT
         self.cursor.rollback(gid, self.max_deliveries)
@@ -216,16 +195,3 @@ class CursorResource:
                 self.cursor.filter_counts()["out-of-order"]
             ),
         }
-
-    def _take(self, xid: Xid) -> ConsumerBranch:
-        with self._lock:
-            branch = self._branches.pop(self._check(xid), None)
-        if branch is None:
-            raise IllegalStateError(f"{self._name}: no active branch {xid}")
-        branch.closed = True
-        return branch
-
-    def _check(self, xid: Xid) -> Xid:
-        if xid.bqual != self._name:
-            raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
-        return xid

@@ -22,7 +22,6 @@ Crash points: ``mlog.<name>.after_prepare`` (the ``P`` record is durable, the vo
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,8 +37,9 @@ from coordinator import (
     tracing,
 )
 from coordinator.crashpoints import crash_point
-from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
+from coordinator.xid import branches_of
 from resource_managers import lazy_commit
+from resource_managers.bookkeeping import Branches
 
 from ._log import BranchRolledBack, DestinationFullError, MessageLog
 from ._options import SendKwargs, SendOptions
@@ -153,7 +153,7 @@ class ProducerBranch(StagingBranch):
         self._log.check_room(destination, count)
 
 
-class MessageLogResource:
+class MessageLogResource(Branches[ProducerBranch]):
     """A `MessageLog` as a resource manager. ``name`` is the bqual: keep it stable.
 
     ``lazy_commit`` (default True): in phase two the commit record is not forced; the next forced
@@ -170,32 +170,15 @@ class MessageLogResource:
         sort_key: str | None = None,
         lazy_commit: bool = True,
     ):
+        super().__init__(name, sort_key)
         self.lazy_commit = lazy_commit
-        self._name = validate_resource_name(name)
-        self._sort_key = sort_key or self._name
         self.log = log
-        self._lock = threading.Lock()
-        self._branches: dict[Xid, ProducerBranch] = {}
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def sort_key(self) -> str:
-        return self._sort_key
 
     def __repr__(self) -> str:
         return f"MessageLogResource({self._name!r}, {str(self.log.directory)!r})"
 
     def start(self, xid: Xid) -> ProducerBranch:
-        self._check(xid)
-        branch = ProducerBranch(self, xid)
-        with self._lock:
-            if xid in self._branches:
-                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
-            self._branches[xid] = branch
-        return branch
+        return self._begin(xid, ProducerBranch(self, self._check(xid)))
 
     def prepare(self, xid: Xid, *, after: Sequence[str] = ()) -> Vote:
         """``after``: branches of this resource and coordinator node whose commit was decided
@@ -268,9 +251,8 @@ class MessageLogResource:
             if earlier:
                 self.log.flush_commits()
             return None
-        with self._lock:
-            if xid in self._branches:
-                raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
+        if self._active(xid):
+            raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
         if self.log.is_tombstoned(gid):
             return Outcome.HEURISTIC_ROLLBACK
         if self.log.is_prepared(gid):
@@ -280,10 +262,8 @@ class MessageLogResource:
 
     def commit_lazily(self, xid: Xid, on_durable: Callable[[], None]) -> Outcome | None:
         """Phase two's commit, its record lazy: `resource_managers.lazy_commit`."""
-        with self._lock:
-            active = xid in self._branches
         return lazy_commit.commit_lazily(
-            self.log, self._check(xid), on_durable, active=active, lazy=self.lazy_commit,
+            self.log, self._check(xid), on_durable, active=self._active(xid), lazy=self.lazy_commit,
             durable_commit=self.commit, points=f"mlog.{self._name}",
         )  # fmt: skip
 
@@ -293,10 +273,7 @@ class MessageLogResource:
 
     def rollback(self, xid: Xid) -> Outcome | None:
         gid = self._check(xid).to_gid()
-        with self._lock:
-            branch = self._branches.pop(xid, None)
-        if branch is not None:
-            branch.closed = True
+        self._drop(xid)
         if self.log.is_committed(gid):
             return Outcome.HEURISTIC_COMMIT
         self.log.rollback(gid)
@@ -313,19 +290,6 @@ class MessageLogResource:
             f"mlog_{self._name}_pending": lambda: float(self.log.stats().pending),
             f"mlog_{self._name}_prepared": lambda: float(self.log.stats().prepared),
         }
-
-    def _take(self, xid: Xid) -> ProducerBranch:
-        with self._lock:
-            branch = self._branches.pop(self._check(xid), None)
-        if branch is None:
-            raise IllegalStateError(f"{self._name}: no active branch {xid}")
-        branch.closed = True
-        return branch
-
-    def _check(self, xid: Xid) -> Xid:
-        if xid.bqual != self._name and not is_sub_branch_of(xid.bqual, self._name):
-            raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
-        return xid
 
 
 def _nothing() -> None:

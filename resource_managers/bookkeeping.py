@@ -1,0 +1,83 @@
+"""What every resource manager of the messaging side keeps the same way: its name (the branch
+qualifier of its xids), its sort key, and the branches it has started and not yet ended.
+
+`MessageLogResource`, `CursorResource`, `RemoteMessageLog` and `RemoteCursor` each wrote this
+out; here it is once, so the rules stay one: a name is checked when the resource is made, an xid
+of another branch is refused (`InvalidXidError`) before anything is done with it, a branch is
+started at most once, and ending it (`_take`) closes it so a late ``send`` or ``receive`` on the
+handle the application still holds is refused rather than lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+from coordinator.errors import IllegalStateError, InvalidXidError
+from coordinator.xid import Xid, is_sub_branch_of, validate_resource_name
+
+
+class _Closable(Protocol):
+    closed: bool
+
+
+B = TypeVar("B", bound=_Closable)
+
+
+class Branches(Generic[B]):
+    """A resource's name, sort key and table of active branches (handles of type ``B``).
+
+    ``_sub_branches``: whether xids of sub-branches (``<name>~<tag>``, begun by another process
+    for this resource, as Spark executors do) belong here too."""
+
+    _sub_branches: ClassVar[bool] = True
+
+    def __init__(self, name: str, sort_key: str | None) -> None:
+        self._name = validate_resource_name(name)
+        self._sort_key = sort_key or self._name
+        self._lock = threading.Lock()
+        self._branches: dict[Xid, B] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sort_key(self) -> str:
+        return self._sort_key
+
+    def _check(self, xid: Xid) -> Xid:
+        """``xid`` if it is a branch of this resource, else `InvalidXidError`."""
+        if xid.bqual != self._name and not (
+            self._sub_branches and is_sub_branch_of(xid.bqual, self._name)
+        ):
+            raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
+        return xid
+
+    def _begin(self, xid: Xid, branch: B) -> B:
+        """Record ``branch`` as ``xid``'s active one (`IllegalStateError` if it has one)."""
+        with self._lock:
+            if xid in self._branches:
+                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
+            self._branches[xid] = branch
+        return branch
+
+    def _take(self, xid: Xid) -> B:
+        """End ``xid``'s active branch and return it, closed (`IllegalStateError` if none)."""
+        branch = self._drop(xid)
+        if branch is None:
+            raise IllegalStateError(f"{self._name}: no active branch {xid}")
+        return branch
+
+    def _drop(self, xid: Xid) -> B | None:
+        """End ``xid``'s active branch if it has one (closed); None if not."""
+        with self._lock:
+            branch = self._branches.pop(self._check(xid), None)
+        if branch is not None:
+            branch.closed = True
+        return branch
+
+    def _active(self, xid: Xid) -> bool:
+        """``xid`` has a branch in its work phase here (started, not prepared or ended)."""
+        with self._lock:
+            return xid in self._branches
