@@ -7,7 +7,10 @@ SIGTERM or SIGINT: listener closed, transfer stopped, journal flushed. A ``kill 
 as well: that is what the journals are for.
 
 The shared secret comes from ``--secret-file`` or the ``TWOPC_SECRET`` environment variable
-(never from the command line, where every user of the machine can read it).
+(never from the command line, where every user of the machine can read it). With ``--clients
+FILE`` each client authenticates with its own key (or, with ``--tls-require-client-cert``, its
+certificate) and is held to its grants (`messaging.authz`); SIGHUP reloads the file, and so does
+a change of it (checked every 2 s).
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ def register(sub: Any) -> None:
         "repeatable, the first match wins; one transfer per cursor",
     )  # fmt: skip
     log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
+    log_p.add_argument(
+        "--client-cert", help="PEM certificate this log shows the cursor (mutual TLS; with "
+        "--tls-ca): the cursor's clients file maps its name",
+    )  # fmt: skip
+    log_p.add_argument("--client-key", help="PEM private key of --client-cert")
     log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     log_p.add_argument("--max-destination-messages", type=int, default=None)
     log_p.set_defaults(func=run_log)
@@ -88,6 +96,16 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--tls-cert", help="PEM certificate: serve over TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", help="PEM CA: verify peers (and the cursor, for a log)")
+    p.add_argument(
+        "--tls-require-client-cert", action="store_true",
+        help="mutual TLS: every client shows a certificate --tls-ca signed; with --clients, a "
+        "client is the entry its certificate's CN or SAN names",
+    )  # fmt: skip
+    p.add_argument(
+        "--clients", metavar="FILE",
+        help="per-client keys and grants (TOML): each client authenticates as itself and may "
+        "touch only its destinations and nodes; reloaded on SIGHUP or when the file changes",
+    )  # fmt: skip
 
 
 def secret_from(args: argparse.Namespace) -> SharedSecret:
@@ -105,23 +123,53 @@ def secret_from(args: argparse.Namespace) -> SharedSecret:
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    if args.tls_require_client_cert and not (args.tls_cert and args.tls_ca):
+        raise ConfigurationError(
+            "--tls-require-client-cert needs --tls-cert (and --tls-key) and --tls-ca (the CA "
+            "that signs the clients' certificates)"
+        )
     if not args.tls_cert:
         return None
-    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=False)
+    return TlsConfig(
+        args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=args.tls_require_client_cert
+    )
+
+
+def _own_secret(args: argparse.Namespace, needed: bool) -> SharedSecret | None:
+    """The server's secret: required unless a clients file (and, for a log's transfer, a client
+    certificate) stands in for it."""
+    if needed or args.secret_file or os.environ.get("TWOPC_SECRET"):
+        return secret_from(args)
+    return None
 
 
 def _serve_until_signalled(
     server: LogServer | CursorServer, address: object, notice: str = ""
 ) -> int:
-    stop = threading.Event()
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the clients file (on this main thread, not
+    in the signal handler: a reload logs, and logging is not safe inside a handler)."""
+    stop, hup = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+
+    def on_hup(*_: object) -> None:
+        hup.set()
+        stop.set()
+
+    signal.signal(signal.SIGHUP, on_hup)
     with server:
         host, port = address if isinstance(address, tuple) else ("?", "?")
         print(f"listening on {host}:{port}", flush=True)
         if notice:
             print(notice, flush=True)
-        stop.wait()
+        while True:
+            stop.wait()
+            if not hup.is_set():
+                break
+            hup.clear()
+            stop.clear()
+            if server.authoriser is not None:
+                server.authoriser.reload()
     print("stopped", flush=True)
     return 0
 
@@ -144,11 +192,18 @@ def run_log(args: argparse.Namespace) -> int:
     from .server import LogServer  # noqa: PLC0415 - `twopc` loads every plugin at start
 
     tls = _tls(args)
-    client_tls = TlsConfig(cafile=args.tls_ca).client_context() if args.tls_ca else None
+    if args.client_cert and not args.tls_ca:
+        raise ConfigurationError("--client-cert needs --tls-ca (the CA of the cursor's cert)")
+    client_tls = (
+        TlsConfig(args.client_cert, args.client_key, args.tls_ca).client_context()
+        if args.tls_ca
+        else None
+    )
     routes = [parse_route(text) for text in args.route]  # refused before anything is opened
+    secret = _own_secret(args, needed=not (args.clients and args.client_cert))
     server = _built(args, lambda: LogServer(
         args.dir,
-        secret_from(args),
+        secret,
         cursor=parse_address(args.cursor),
         listen=parse_address(args.listen),
         server_id=args.id or "twopc-log",
@@ -158,6 +213,7 @@ def run_log(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_destination_messages=args.max_destination_messages,
         routes=routes,
+        clients=args.clients,
     ))  # fmt: skip
     mlog = server.mlog  # the cursor keeps this log's streams under its identity
     notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
@@ -168,14 +224,16 @@ def run_cursor(args: argparse.Namespace) -> int:
     from .server import CursorServer  # noqa: PLC0415
 
     tls = _tls(args)
+    secret = _own_secret(args, needed=not args.clients)
     server = _built(args, lambda: CursorServer(
         args.dir,
-        secret_from(args),
+        secret,
         listen=parse_address(args.listen),
         server_id=args.id or "twopc-cursor",
         tls_server=tls.server_context() if tls else None,
         max_deliveries=args.max_deliveries,
         dispatch_workers=args.dispatch_workers,
         precount=args.precount,
+        clients=args.clients,
     ))  # fmt: skip
     return _serve_until_signalled(server, server.address)

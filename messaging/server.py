@@ -12,7 +12,9 @@ as ``twopc serve log`` / ``twopc serve cursor``.
   subscription queues (``dispatch_workers`` threads; 0 runs none). Embedded, ``server.resource``
   is the local resource.
 
-Both authenticate every connection with the shared secret (and TLS if configured). Neither owns
+Both authenticate every connection with the shared secret (and TLS if configured) or, given a
+clients file (``clients=``, `messaging.authz`), each client with its own key or certificate, and
+then judge each request by that client's grants. Neither owns
 a transaction outcome: a remote branch is decided by its application's coordinator, and what a
 server finds handed out or prepared when it starts is what its journal says (see the stores).
 """
@@ -41,6 +43,7 @@ from resource_managers.message_log import (
 from resource_managers.sequencing import DoublingBackoff
 
 from .auth import SharedSecret
+from .authz import DEFAULT_WATCH_INTERVAL, Authoriser, authoriser_from
 from .connection import INTERNAL_ERRORS, Address, Connection, Handler, Listener, connect
 from .remote import CONSUMER_ROLE, PRODUCER_ROLE, ConsumerService, ProducerService
 from .routes import Route, Router
@@ -48,6 +51,18 @@ from .topics import DEFAULT_DISPATCH_WORKERS, TopicDispatcher
 from .transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 
 log = logging.getLogger("twopc.server")
+
+#: a server's ``clients``: a clients file (`messaging.clients`), an `Authoriser`, or None for the
+#: shared secret alone
+Clients = str | os.PathLike[str] | Authoriser | None
+
+
+def _authoriser(
+    clients: Clients, tls_server: ssl.SSLContext | None, watch: float
+) -> Authoriser | None:
+    """A server that requires client certificates knows a client by its certificate's name."""
+    by_certificate = tls_server is not None and tls_server.verify_mode == ssl.CERT_REQUIRED
+    return authoriser_from(clients, require_client_cert=by_certificate, watch_interval=watch)
 
 
 class LogServer:
@@ -59,7 +74,7 @@ class LogServer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         cursor: Address,
         listen: Address | None = None,
@@ -74,7 +89,10 @@ class LogServer:
         streams: Callable[[str], bool] | None = None,
         resource_name: str = "mlog",
         routes: Sequence[Route] = (),
+        clients: Clients = None,
+        clients_watch: float = DEFAULT_WATCH_INTERVAL,
     ) -> None:
+        self.authoriser = _authoriser(clients, tls_server, clients_watch)
         self.mlog = MessageLog(
             directory,
             max_message_bytes=max_message_bytes,
@@ -109,11 +127,14 @@ class LogServer:
         }
         self.transfer = self.transfers[cursor]
         self.listener: Listener | None = None
-        self.service = ProducerService(self.mlog)
+        self.service = ProducerService(self.mlog, self.authoriser)
         try:
             if listen is not None:
                 handlers = {PRODUCER_ROLE: self.service}
-                self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
+                self.listener = Listener(
+                    listen, secret, server_id, handlers, tls=tls_server,
+                    authoriser=self.authoriser,
+                )  # fmt: skip
         except BaseException:
             self.mlog.close()
             raise
@@ -138,6 +159,8 @@ class LogServer:
     def start(self) -> LogServer:
         for transfer in self.transfers.values():
             transfer.start()
+        if self.authoriser is not None:
+            self.authoriser.start()
         if self.listener is not None:
             self.listener.start()
         return self
@@ -146,6 +169,8 @@ class LogServer:
         """Stop serving, stop the transfer, then close the journal (lazy records flushed)."""
         if self.listener is not None:
             self.listener.close()
+        if self.authoriser is not None:
+            self.authoriser.close()
         for transfer in self.transfers.values():
             transfer.close()
         self.mlog.close()
@@ -171,7 +196,7 @@ class CursorServer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         listen: Address,
         server_id: str = "twopc-cursor",
@@ -180,7 +205,10 @@ class CursorServer:
         resource_name: str = "cursor",
         dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
         precount: int = DEFAULT_PRECOUNT,
+        clients: Clients = None,
+        clients_watch: float = DEFAULT_WATCH_INTERVAL,
     ) -> None:
+        self.authoriser = _authoriser(clients, tls_server, clients_watch)
         self.cursor = Cursor(directory, max_deliveries=max_deliveries, precount=precount)
         self.resource = CursorResource(self.cursor, resource_name, max_deliveries)
         self.receiver = TransferReceiver(self.cursor)
@@ -190,12 +218,14 @@ class CursorServer:
             self.topics = (
                 TopicDispatcher(self.cursor, dispatch_workers) if dispatch_workers > 0 else None
             )
-            self.service = ConsumerService(self.cursor, max_deliveries)
+            self.service = ConsumerService(self.cursor, max_deliveries, self.authoriser)
             handlers: dict[str, Handler] = {
                 TRANSFER_ROLE: self.receiver,
                 CONSUMER_ROLE: self.service,
             }
-            self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
+            self.listener = Listener(
+                listen, secret, server_id, handlers, tls=tls_server, authoriser=self.authoriser
+            )
         except BaseException:
             self.cursor.close()
             raise
@@ -213,6 +243,8 @@ class CursorServer:
         """Start the topic dispatcher (its recovery runs first, on its own thread), then serve."""
         if self.topics is not None:
             self.topics.start()
+        if self.authoriser is not None:
+            self.authoriser.start()
         self.listener.start()
         return self
 
@@ -221,6 +253,8 @@ class CursorServer:
         publication the dispatcher could not finish stays in doubt for the next start."""
         try:
             self.listener.close()
+            if self.authoriser is not None:
+                self.authoriser.close()
             if self.topics is not None:
                 log.info("topic dispatch stopped: %s", self.topics.stop())
         finally:

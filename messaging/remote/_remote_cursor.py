@@ -23,7 +23,7 @@ from typing import TypeVar
 from coordinator.errors import IllegalStateError, OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address, Connection
 from messaging.frames import FrameType, Value
 from resource_managers.cursor import Delivery
@@ -105,11 +105,11 @@ class RemoteCursor(CursorAdmin):
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         name: str = "cursor",
         client_id: str = "twopc-client",
-        tls: ssl.SSLContext | None = None,
+        tls: ssl.SSLContext | TlsConfig | None = None,
         server_hostname: str | None = None,
         timeout: float = 30.0,
         sort_key: str | None = None,

@@ -16,7 +16,7 @@ import time
 from coordinator.errors import IllegalStateError, OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address
 from messaging.frames import FrameType, Value
 from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES, BranchDoomed, StagingBranch
@@ -58,11 +58,11 @@ class RemoteMessageLog(_RemoteResource):
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         name: str = "mlog",
         client_id: str = "twopc-client",
-        tls: ssl.SSLContext | None = None,
+        tls: ssl.SSLContext | TlsConfig | None = None,
         server_hostname: str | None = None,
         timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,

@@ -30,7 +30,7 @@ from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError, InvalidXidError, ProgrammingError
 from coordinator.resource import Outcome
 from coordinator.xid import Xid, branches_of, is_sub_branch_of, validate_resource_name
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address, Connection
 from messaging.frames import FrameType, Value, XaReply, XaRequest
 
@@ -59,11 +59,11 @@ class _RemoteResource:
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         name: str,
         client_id: str,
-        tls: ssl.SSLContext | None,
+        tls: ssl.SSLContext | TlsConfig | None,
         server_hostname: str | None,
         timeout: float,
         sort_key: str | None,

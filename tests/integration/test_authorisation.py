@@ -1,0 +1,240 @@
+"""Per-client authorisation against real servers (`LogServer`, `CursorServer` listening on
+127.0.0.1, clients over TCP and TLS): each client authenticates as itself (its own secret, or its
+certificate under mutual TLS) and may touch only what the server's clients file grants it.
+
+Invariants named here: ``grants_enforced`` (producing or consuming outside a client's globs,
+and any verb on a branch of a node it does not act for, is refused with ``unauthorised`` and
+counted, and nothing is staged or handed out), ``no_branch_leak`` (recover names only the
+caller's nodes' branches), ``revocation`` (a reload reaches the next request of an open
+connection; a bad file on reload keeps the old one) and ``certificate_identity`` (a certificate
+the file does not map, or one no trusted CA signed, never gets past connect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator import (
+    MemoryDecisionLog,
+    Transaction,
+    TransactionManager,
+    TransactionRolledBack,
+    Xid,
+)
+from messaging.auth import AuthError, SharedSecret, TlsConfig
+from messaging.authz import UnauthorisedError
+from messaging.remote import RemoteCursor, RemoteMessageLog, RemoteUnavailable
+from messaging.server import CursorServer, LogServer
+from tests.support.tls import issue, make_ca
+
+ORDERS, BILLING, LOG = (
+    b"orders app secret, 32 bytes long!",
+    b"billing app secret, 32 bytes long",
+    b"log one's secret, 32 bytes long!!",
+)
+CLIENTS = f"""
+[clients.orders-app]
+secret = "{ORDERS.decode()}"
+produce = ["orders.*"]
+consume = ["orders.*"]
+administer = ["orders.*"]
+nodes = ["orders-1"]
+
+[clients.billing-app]
+secret = "{BILLING.decode()}"
+produce = ["billing.*"]
+consume = ["billing.*"]
+nodes = ["billing-1"]
+
+[clients.log-1]
+secret = "{LOG.decode()}"
+transfer = true
+"""
+
+
+def refused(tm: TransactionManager, work: Callable[[Transaction], object]) -> UnauthorisedError:
+    """Run ``work`` in a transaction that must roll back because the server refused it."""
+    with pytest.raises(TransactionRolledBack) as caught, tm.transaction() as tx:
+        work(tx)
+    cause = caught.value.__cause__
+    assert isinstance(cause, UnauthorisedError), repr(cause)
+    return cause
+
+
+def manager(node: str, *resources: object) -> TransactionManager:
+    return TransactionManager(node, MemoryDecisionLog(), list(resources),  # type: ignore[arg-type]
+                              recovery_interval=None, reaper_interval=None)  # fmt: skip
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[LogServer, CursorServer, Path]]:
+    clients = tmp_path / "clients.toml"
+    clients.write_text(CLIENTS)
+    with (
+        CursorServer(tmp_path / "cursor", None, listen=("127.0.0.1", 0), clients=clients,
+                     clients_watch=0) as cursor,
+        LogServer(tmp_path / "log", SharedSecret(LOG), cursor=cursor.address, server_id="log-1",
+                  listen=("127.0.0.1", 0), clients=clients, clients_watch=0) as log,
+    ):  # fmt: skip
+        yield log, cursor, clients
+
+
+def remote_log(log: LogServer, who: str, secret: bytes) -> RemoteMessageLog:
+    assert log.address is not None
+    return RemoteMessageLog(log.address, SharedSecret(secret), client_id=who, lazy_commit=False)
+
+
+def remote_cursor(cursor: CursorServer, who: str, secret: bytes) -> RemoteCursor:
+    return RemoteCursor(cursor.address, SharedSecret(secret), client_id=who, lazy_commit=False)
+
+
+def test_grants_enforced_producing_outside_the_globs_is_refused_and_counted(
+    stack: tuple[LogServer, CursorServer, Path],
+) -> None:
+    log, cursor, _ = stack
+    with remote_log(log, "orders-app", ORDERS) as mlog, manager("orders-1", mlog) as tm:
+        with tm.transaction() as tx:
+            tx.join(mlog).send("orders.created", b"order 1")
+        two = refused(
+            tm,
+            lambda tx: (
+                tx.join(mlog).send("orders.created", b"order 2"),
+                tx.join(mlog).send("billing.invoices", b"not yours"),
+            ),
+        )
+        assert "may not produce to 'billing.invoices'" in two.message
+        refused(tm, lambda tx: tx.join(mlog).send("billing.x", b"one phase"))
+        nack = refused(
+            tm,
+            lambda tx: tx.join(mlog).send(
+                "orders.created", b"its NACK to billing", admin_queue="billing.nacks"
+            ),
+        )
+        assert "'billing.nacks'" in nack.message
+    assert log.authoriser is not None and log.listener is not None
+    assert log.authoriser.stats["denied_produce"] == 3
+    assert log.listener.stats["denied"] == 3  # the listener shows the same counters
+    assert log.mlog.stats().prepared == 0  # nothing of a refused request was staged
+    assert log.wait_idle(10)  # the log's own transfer is authorised at the cursor (transfer)
+    assert [d.body for d in cursor.cursor.available("orders.created")] == [b"order 1"]
+
+
+def test_grants_enforced_consuming_outside_the_globs_is_refused_and_counted(
+    stack: tuple[LogServer, CursorServer, Path],
+) -> None:
+    log, cursor, _ = stack
+    with (
+        remote_log(log, "billing-app", BILLING) as mlog,
+        manager("billing-1", mlog) as tm,
+        tm.transaction() as tx,
+    ):
+        tx.join(mlog).send("billing.invoices", b"invoice 1")
+    assert log.wait_idle(10)
+    with remote_cursor(cursor, "orders-app", ORDERS) as rc, manager("orders-1", rc) as tm:
+        with pytest.raises(UnauthorisedError, match=r"may not consume 'billing\.invoices'"), \
+                tm.transaction() as tx:  # fmt: skip
+            tx.join(rc).receive("billing.invoices", timeout=0.5)
+        with tm.transaction() as tx:
+            assert tx.join(rc).receive("orders.created", timeout=0.1) is None  # its own: fine
+        with pytest.raises(UnauthorisedError):  # administration outside its globs
+            rc.dead_letters("billing.invoices")
+        assert rc.dead_letters() == []  # a listing: filtered, not refused
+    assert cursor.authoriser is not None
+    assert cursor.authoriser.stats["denied_consume"] == 1
+    assert cursor.authoriser.stats["denied_administer"] == 1
+    assert [d.body for d in cursor.cursor.available("billing.invoices")] == [b"invoice 1"]
+
+
+def test_no_branch_leak_another_nodes_branch_cannot_be_finished_or_listed(
+    stack: tuple[LogServer, CursorServer, Path],
+) -> None:
+    log, _, _ = stack
+    xid = Xid.branch_of("billing-1:0a0b-1", "mlog")
+    with remote_log(log, "billing-app", BILLING) as billing, \
+            remote_log(log, "orders-app", ORDERS) as orders:  # fmt: skip
+        billing.start(xid).send("billing.invoices", b"prepared, in doubt")
+        billing.prepare(xid)
+        with pytest.raises(UnauthorisedError, match="may not act for node 'billing-1'"):
+            orders.commit(xid)
+        with pytest.raises(UnauthorisedError):
+            orders.rollback(xid)
+        with pytest.raises(UnauthorisedError):
+            orders.forget(xid)
+        assert orders.recover() == []  # billing-1's branch is not named to orders-app
+        assert billing.recover() == [xid]
+        billing.commit(xid)
+    assert log.authoriser is not None
+    assert log.authoriser.stats["denied_node"] == 3
+    assert log.authoriser.stats["recover_hidden"] == 1
+    assert log.wait_idle(10)
+
+
+def test_revocation_reaches_an_open_connection_and_a_bad_file_keeps_the_old_one(
+    stack: tuple[LogServer, CursorServer, Path],
+) -> None:
+    log, _, clients = stack
+    authoriser = log.authoriser
+    assert authoriser is not None
+    with remote_log(log, "orders-app", ORDERS) as mlog, manager("orders-1", mlog) as tm:
+        with tm.transaction() as tx:
+            tx.join(mlog).send("orders.created", b"before")
+        clients.write_text("[clients.orders-app\n")  # broken TOML: keep what was loaded
+        assert authoriser.reload() is False
+        assert authoriser.stats["reload_failures"] == 1
+        with tm.transaction() as tx:
+            tx.join(mlog).send("orders.created", b"still allowed")
+        clients.write_text(CLIENTS[CLIENTS.index("[clients.billing-app]") :])
+        assert authoriser.reload() is True
+        gone = refused(tm, lambda tx: tx.join(mlog).send("orders.created", b"revoked"))
+        assert "not in the server's clients file" in gone.message
+        assert authoriser.stats["denied_revoked"] == 2  # the commit, then its rollback
+    with remote_log(log, "orders-app", ORDERS) as again, pytest.raises(AuthError):
+        again.recover()  # a new connection: the client has no key any more
+    assert authoriser.stats["denied_unknown_client"] == 1
+
+
+def test_certificate_identity_unknown_and_untrusted_certificates_are_refused(
+    tmp_path: Path,
+) -> None:
+    ca = make_ca(tmp_path / "ca")
+    server = issue(ca, tmp_path / "certs", "localhost", "DNS:localhost", "IP:127.0.0.1")
+    consumer = issue(ca, tmp_path / "certs", "consumer-a", "DNS:consumer-a.internal")
+    transfer = issue(ca, tmp_path / "certs", "log-one")
+    stranger = issue(ca, tmp_path / "certs", "stranger")
+    other_ca = make_ca(tmp_path / "other-ca", "another CA")
+    forged = issue(other_ca, tmp_path / "forged", "consumer-a", "DNS:consumer-a.internal")
+    clients = tmp_path / "clients.toml"
+    clients.write_text(
+        '[clients.consumer]\ncertificate = ["consumer-a.internal"]\nconsume = ["orders.*"]\n'
+        'nodes = ["orders-1"]\n\n[clients.log]\ncertificate = ["log-one"]\ntransfer = true\n'
+    )
+    tls = TlsConfig(server.certfile, server.keyfile, ca[0].as_posix(), require_client_cert=True)
+    log_tls = TlsConfig(transfer.certfile, transfer.keyfile, ca[0].as_posix()).client_context()
+    with (
+        CursorServer(tmp_path / "cursor", None, listen=("127.0.0.1", 0), clients=clients,
+                     tls_server=tls.server_context(), clients_watch=0) as cursor,
+        LogServer(tmp_path / "log", None, cursor=cursor.address, tls_client=log_tls,
+                  cursor_hostname="localhost") as log,
+        manager("orders-1", log.resource) as producer,
+    ):  # fmt: skip
+        with producer.transaction() as tx:
+            tx.join(log.resource).send("orders.created", b"over mutual TLS")
+        assert log.wait_idle(10)  # the log's transfer is known by its certificate
+
+        def remote(cert: TlsConfig) -> RemoteCursor:
+            return RemoteCursor(cursor.address, None, client_id="anything", tls=cert,
+                                server_hostname="localhost", lazy_commit=False)  # fmt: skip
+
+        with remote(consumer) as rc, manager("orders-1", rc) as tm, tm.transaction() as tx:
+            got = tx.join(rc).receive("orders.created", timeout=5)
+            assert got is not None and got.body == b"over mutual TLS"
+        with remote(stranger) as rc, pytest.raises(AuthError, match="unauthorised"):
+            rc.recover()
+        with remote(forged) as rc, pytest.raises((AuthError, RemoteUnavailable)):
+            rc.recover()
+    stats = cursor.listener.stats
+    assert stats["denied_unknown_certificate"] == 1
+    assert stats["refused_tls"] >= 1  # the forged certificate: no trusted CA signed it
