@@ -12,6 +12,11 @@ the file does not map, or one no trusted CA signed, never gets past connect).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from messaging.auth import AuthError, SharedSecret, TlsConfig
 from messaging.authz import UnauthorisedError
 from messaging.remote import RemoteCursor, RemoteMessageLog, RemoteUnavailable
 from messaging.server import CursorServer, LogServer
+from tests.support.msg_cluster import free_port
 from tests.support.tls import issue, make_ca
 
 ORDERS, BILLING, LOG = (
@@ -238,3 +244,110 @@ def test_certificate_identity_unknown_and_untrusted_certificates_are_refused(
     stats = cursor.listener.stats
     assert stats["denied_unknown_certificate"] == 1
     assert stats["refused_tls"] >= 1  # the forged certificate: no trusted CA signed it
+
+
+# -- `twopc serve` as real processes: SIGHUP, a changed file, the flags ------------------------
+
+SERVE = "import sys; from coordinator.cli import main; sys.exit(main())"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve(*args: str, secret: bytes | None = None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TWOPC_SECRET"}
+    if secret is not None:
+        env["TWOPC_SECRET"] = secret.decode()
+    return subprocess.Popen(
+        [sys.executable, "-c", SERVE, "serve", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+    )  # fmt: skip
+
+
+def listening(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("listening on"), line + proc.stdout.read()
+
+
+def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.2)
+
+
+def sends(address: tuple[str, int]) -> bool:
+    """Can orders-app send now (over a fresh connection each time)?"""
+    with (
+        RemoteMessageLog(address, SharedSecret(ORDERS), client_id="orders-app") as mlog,
+        manager("orders-1", mlog) as tm,
+    ):
+        try:
+            with tm.transaction() as tx:
+                tx.join(mlog).send("orders.created", b"m")
+        except (TransactionRolledBack, AuthError):
+            return False
+        return True
+
+
+def test_revocation_by_sighup_and_by_a_changed_file_in_twopc_serve(tmp_path: Path) -> None:
+    clients = tmp_path / "clients.toml"
+    clients.write_text(CLIENTS)
+    cursor_port, log_port = free_port(), free_port()
+    cursor = serve("cursor", "--dir", str(tmp_path / "c"), "--listen", f"127.0.0.1:{cursor_port}",
+                   "--clients", str(clients))  # fmt: skip
+    log = serve("log", "--dir", str(tmp_path / "l"), "--listen", f"127.0.0.1:{log_port}",
+                "--cursor", f"127.0.0.1:{cursor_port}", "--id", "log-1",
+                "--clients", str(clients), secret=LOG)  # fmt: skip
+    address = ("127.0.0.1", log_port)
+    try:
+        listening(cursor)
+        listening(log)
+        assert sends(address)
+        clients.write_text("[clients.orders-app]\nsecret = 7\n")  # bad: the old one stays
+        log.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert sends(address)
+        clients.write_text(CLIENTS[CLIENTS.index("[clients.billing-app]") :])
+        log.send_signal(signal.SIGHUP)
+        eventually(lambda: not sends(address))  # revoked
+        clients.write_text(CLIENTS)  # no signal: the server sees the file change
+        eventually(lambda: sends(address))
+        with (
+            RemoteCursor(("127.0.0.1", cursor_port), SharedSecret(ORDERS),
+                         client_id="orders-app") as rc,
+            manager("orders-1", rc) as tm,
+        ):  # fmt: skip
+            got: list[bytes] = []
+            eventually(lambda: got.extend(_receive(tm, rc)) or len(got) >= 3)
+    finally:
+        for proc in (log, cursor):
+            proc.send_signal(signal.SIGTERM)
+        outputs = [proc.communicate(timeout=20)[0] for proc in (log, cursor)]
+    assert log.returncode == 0 and cursor.returncode == 0, outputs
+    assert "keeping the clients loaded before" in outputs[0]
+    assert "refused: client 'orders-app'" in outputs[0]
+
+
+def _receive(tm: TransactionManager, rc: RemoteCursor) -> list[bytes]:
+    with tm.transaction() as tx:
+        return [d.body for d in tx.join(rc).receive_many("orders.created", 10, timeout=0.5)]
+
+
+def test_mutual_tls_flags_need_a_ca(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, "serve", "cursor", "--dir", str(tmp_path / "c"),
+         "--listen", "127.0.0.1:0", "--tls-require-client-cert", "--clients", "x.toml"],
+        capture_output=True, text=True, cwd=REPO, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--tls-require-client-cert needs --tls-cert" in proc.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[clients.a]\nsecret = "0123456789abcdef"\nprodcue = ["x"]\n')
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, "serve", "cursor", "--dir", str(tmp_path / "c"),
+         "--listen", "127.0.0.1:0", "--clients", str(bad)],
+        capture_output=True, text=True, cwd=REPO, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "client 'a': unknown key 'prodcue'" in proc.stderr
+    assert "Traceback" not in proc.stderr
