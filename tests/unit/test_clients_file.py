@@ -84,7 +84,7 @@ def test_grants_enforced_refusals_are_counted(tmp_path: Path) -> None:
     app = authoriser.client("app")
     authoriser.check_produce(app, "orders.created")
     authoriser.check_node(app, Xid.branch_of("app-1:abc-1", "mlog"))
-    with pytest.raises(UnauthorisedError, match="may not produce to 'billing.x'"):
+    with pytest.raises(UnauthorisedError, match=r"may not produce to 'billing\.x'"):
         authoriser.check_produce(app, "billing.x")
     with pytest.raises(UnauthorisedError, match="may not act for node 'other'"):
         authoriser.check_node(app, Xid.branch_of("other:abc-1", "mlog"))
