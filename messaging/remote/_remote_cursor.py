@@ -98,7 +98,8 @@ class RemoteCursor(CursorAdmin):
     why attachments live on one connection, and `messaging.remote.admin`).
 
     ``name`` is the bqual (the server keeps one resource per name, with its own
-    ``max_deliveries``): keep it stable."""
+    ``max_deliveries``): keep it stable. ``secret``, ``client_id`` and ``tls`` as for
+    `RemoteMessageLog` (its own key, or None with a client certificate, under a clients file)."""
 
     _role = CONSUMER_ROLE
 

@@ -51,7 +51,11 @@ class RemoteMessageLog(_RemoteResource):
 
     ``name`` is the bqual (the server keeps one resource per name): keep it stable, and unique
     among the clients of one log unless they share a coordinator node id. ``max_message_bytes``
-    is checked at ``send``; the server checks its own limit again."""
+    is checked at ``send``; the server checks its own limit again.
+
+    ``secret`` is the shared secret, or this client's own key when the server has a clients file
+    (``client_id`` names its entry there); None for a client known by its TLS certificate alone
+    (``tls``: a context or a `TlsConfig` with ``certfile``/``keyfile``)."""
 
     _role = PRODUCER_ROLE
 
