@@ -21,6 +21,11 @@ connection goes on; only a bad frame
 own resources (`MessageLogResource`, `CursorResource`, one per branch name, made on demand)
 enforce the XA rules; this module only maps verbs to them.
 
+With an `Authoriser` (a server's clients file, `messaging.authz`) every request is judged by the
+connected client's grants once its shape is checked and before it touches anything: the xid's
+node, then what the verb names (`_grants`); ``XA_RECOVER`` and the administrative listings are
+filtered to what the client may see. Without one nothing is judged (the shared secret admits).
+
 Verbs (``rm`` is the resource name and must equal the xid's bqual):
 
 ======== =========================================== =========================================
