@@ -147,29 +147,25 @@ def _serve_until_signalled(
     server: LogServer | CursorServer, address: object, notice: str = ""
 ) -> int:
     """Serve until SIGTERM or SIGINT; SIGHUP reloads the clients file (on this main thread, not
-    in the signal handler: a reload logs, and logging is not safe inside a handler)."""
+    in the signal handler: a reload logs, and logging is not safe inside a handler).
+
+    The main thread waits in steps of half a second, never for good: the kernel may deliver a
+    signal to another thread of the process, and Python then runs the handler only when the main
+    thread next executes (an untimed ``Event.wait`` would sleep through a SIGTERM)."""
     stop, hup = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-
-    def on_hup(*_: object) -> None:
-        hup.set()
-        stop.set()
-
-    signal.signal(signal.SIGHUP, on_hup)
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
     with server:
         host, port = address if isinstance(address, tuple) else ("?", "?")
         print(f"listening on {host}:{port}", flush=True)
         if notice:
             print(notice, flush=True)
-        while True:
-            stop.wait()
-            if not hup.is_set():
-                break
-            hup.clear()
-            stop.clear()
-            if server.authoriser is not None:
-                server.authoriser.reload()
+        while not stop.wait(0.5):
+            if hup.is_set():
+                hup.clear()
+                if server.authoriser is not None:
+                    server.authoriser.reload()
     print("stopped", flush=True)
     return 0
 

@@ -33,6 +33,7 @@ from messaging.auth import AuthError, SharedSecret, TlsConfig
 from messaging.authz import UnauthorisedError
 from messaging.remote import RemoteCursor, RemoteMessageLog, RemoteUnavailable
 from messaging.server import CursorServer, LogServer
+from tests.integration.test_serve import listening
 from tests.support.msg_cluster import free_port
 from tests.support.tls import issue, make_ca
 
@@ -262,12 +263,6 @@ def serve(*args: str, secret: bytes | None = None) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def listening(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("listening on"), line + proc.stdout.read()
-
-
 def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -320,12 +315,25 @@ def test_revocation_by_sighup_and_by_a_changed_file_in_twopc_serve(tmp_path: Pat
             got: list[bytes] = []
             eventually(lambda: got.extend(_receive(tm, rc)) or len(got) >= 3)
     finally:
-        for proc in (log, cursor):
-            proc.send_signal(signal.SIGTERM)
-        outputs = [proc.communicate(timeout=20)[0] for proc in (log, cursor)]
+        outputs = stop(log, cursor)
     assert log.returncode == 0 and cursor.returncode == 0, outputs
     assert "keeping the clients loaded before" in outputs[0]
     assert "refused: client 'orders-app'" in outputs[0]
+
+
+def stop(*procs: subprocess.Popen[str]) -> list[str]:
+    """SIGTERM each, then their outputs; one that does not stop within 30 s is killed and its
+    output shown, so a hang reports itself instead of hiding the test's own failure."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=30)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outputs.append("did not stop within 30 s:\n" + proc.communicate()[0])
+    return outputs
 
 
 def _receive(tm: TransactionManager, rc: RemoteCursor) -> list[bytes]:
