@@ -118,7 +118,9 @@ def test_a_store_opened_on_another_stores_directory_says_so(tmp_path: Path) -> N
     after = {p.name: p.read_bytes() for p in (tmp_path / "cursor").iterdir() if p.is_file()}
     assert after == before  # nothing changed
     FileDecisionLog(tmp_path / "txlog").close()
-    done = twopc("serve", "cursor", "--dir", str(tmp_path / "txlog"), "--listen", "127.0.0.1:0")
+    done = twopc(
+        "serve", "cursor", "--dir", str(tmp_path / "txlog"), "--listen", "127.0.0.1:0"
+    )
     assert done.returncode == 2, done.stderr
     assert "[journal-kind]" in done.stderr and "decision-log journal" in done.stderr
     assert "Traceback" not in done.stderr and "damaged" not in done.stderr
