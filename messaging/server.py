@@ -92,6 +92,10 @@ class LogServer:
         clients: Clients = None,
         clients_watch: float = DEFAULT_WATCH_INTERVAL,
     ) -> None:
+        if secret is None and tls_client is None:
+            raise ConfigurationError(
+                "a log needs a secret, or a TLS client certificate (tls_client), for its cursor"
+            )
         self.authoriser = _authoriser(clients, tls_server, clients_watch)
         self.mlog = MessageLog(
             directory,
