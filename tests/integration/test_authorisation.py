@@ -31,6 +31,8 @@ from coordinator import (
 )
 from messaging.auth import AuthError, SharedSecret, TlsConfig
 from messaging.authz import UnauthorisedError
+from messaging.connection import connect
+from messaging.frames import ErrorFrame
 from messaging.remote import RemoteCursor, RemoteMessageLog, RemoteUnavailable
 from messaging.server import CursorServer, LogServer
 from tests.integration.test_serve import listening
@@ -53,7 +55,7 @@ nodes = ["orders-1"]
 [clients.billing-app]
 secret = "{BILLING.decode()}"
 produce = ["billing.*"]
-consume = ["billing.*"]
+consume = ["billing.*", "topic:billing/*"]
 nodes = ["billing-1"]
 
 [clients.log-1]
@@ -359,3 +361,40 @@ def test_mutual_tls_flags_need_a_ca(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "client 'a': unknown key 'prodcue'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_no_branch_leak_at_the_cursor_and_subscriptions_by_grant(
+    stack: tuple[LogServer, CursorServer, Path],
+) -> None:
+    _, cursor, _ = stack
+    theirs = Xid.branch_of("billing-1:0c0d-1", "cursor")
+    with (
+        remote_cursor(cursor, "billing-app", BILLING) as billing,
+        remote_cursor(cursor, "orders-app", ORDERS) as orders,
+    ):
+        billing.start(theirs).receive("billing.invoices", timeout=0)  # billing-1's branch
+        with pytest.raises(UnauthorisedError, match="may not act for node 'billing-1'"):
+            orders.start(theirs).receive("orders.created", timeout=0)
+        assert orders.recover() == []
+        with pytest.raises(UnauthorisedError, match="subscription 'topic:orders/audit'"):
+            orders.subscribe("topic:orders", "audit")  # orders.* does not cover topic:…
+        cursor.cursor.subscribe("topic:billing", "ledger")
+        assert orders.subscriptions() == []  # a listing: only what it may consume or administer
+        assert [s.name for s in billing.subscriptions()] == ["ledger"]  # topic:billing/*
+    assert cursor.authoriser is not None
+    assert cursor.authoriser.stats["denied_node"] == 1
+    assert cursor.authoriser.stats["denied_consume"] == 1
+
+
+def test_grants_enforced_a_client_without_transfer_cannot_deliver_as_a_log(
+    stack: tuple[LogServer, CursorServer, Path],
+) -> None:
+    _, cursor, _ = stack
+    conn = connect(cursor.address, SharedSecret(ORDERS), "orders-app", "transfer")
+    try:
+        refusal = conn.recv(timeout=10)
+    finally:
+        conn.close()
+    assert isinstance(refusal, ErrorFrame) and refusal.code == "unauthorised"
+    assert "may not deliver as a log" in refusal.message
+    assert cursor.listener.stats["denied_transfer"] == 1
