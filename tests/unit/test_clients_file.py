@@ -14,6 +14,14 @@ import pytest
 
 from coordinator.errors import ConfigurationError
 from coordinator.xid import Xid
+from messaging.auth import (
+    AuthError,
+    SharedSecret,
+    answer_hello,
+    check_auth,
+    check_welcome,
+    new_hello,
+)
 from messaging.authz import Authoriser, UnauthorisedError
 from messaging.clients import GLOB_CACHE_SIZE, Globs, load_clients
 
@@ -120,3 +128,20 @@ def test_a_changed_file_is_noticed_and_a_bad_one_keeps_the_old(tmp_path: Path) -
     assert authoriser.reload_if_changed() is False
     assert authoriser.client("app").nodes.allows("app-2")  # the old table stays
     assert authoriser.stats["reload_failures"] == 1 and authoriser.stats["reloads"] == 1
+
+
+def test_the_handshake_checks_each_client_with_its_own_key(tmp_path: Path) -> None:
+    """mutual_auth per client: the pure handshake with an `Authoriser` as its keys."""
+    authoriser = Authoriser(write(tmp_path, GOOD), watch_interval=0)
+    own = SharedSecret(b"a secret of at least 16 bytes")
+    hello = new_hello("log-1")
+    _, auth = answer_hello(own, hello, "app", "producer", None)
+    _, welcome = check_auth(authoriser, hello, auth, {"producer"})
+    assert check_welcome(own, hello, auth, welcome).id == "log-1"  # the server proved it too
+    _, wrong = answer_hello(own, hello, "tls-only", "producer", None)  # no secret of its own
+    with pytest.raises(AuthError, match="has no key here"):
+        check_auth(authoriser, hello, wrong, {"producer"})
+    _, stranger = answer_hello(SharedSecret(b"x" * 16), hello, "app", "producer", None)
+    with pytest.raises(AuthError, match="does not hold the secret"):
+        check_auth(authoriser, hello, stranger, {"producer"})
+    assert authoriser.stats["denied_unknown_client"] == 1
