@@ -2,7 +2,8 @@
 
 Both servers (`twopc serve log|cursor`) and both kinds of client (a log's transfer to a cursor, an
 application's remote resource) speak through these two classes, so every connection gets the same
-handling: optional TLS first, then the shared-secret handshake (`auth`), then frames of at most
+handling: optional TLS first, then the shared-secret handshake (`auth`; per client with a
+clients file, `authz`), then frames of at most
 ``max_frame`` bytes, checked header first (`frames`). Any bad frame closes *that* connection and
 nothing else; the listener goes on accepting.
 
@@ -195,7 +196,11 @@ class Listener:
     owns the connection until it returns. A handler's `FrameError` or `OSError` closes that
     connection (counted in ``stats``); another twopc error is sent as its code (``error_<code>``
     counted) and closes it; anything else is a defect: ``internal-error``, its traceback logged,
-    counted as ``internal_errors``."""
+    counted as ``internal_errors``.
+
+    With an ``authoriser`` (a clients file, `messaging.authz`) the handshake checks each client
+    with its own key, or knows it by its certificate, and ``stats`` is the authoriser's, so the
+    refusals it counts (``denied_*``) show here too; ``secret`` then admits nobody."""
 
     def __init__(
         self,
