@@ -139,8 +139,7 @@ class Authoriser:
         """`messaging.auth.Keys`: the key of the client the AUTH frame names, if it has one."""
         client = self._table.clients.get(client_id)
         if client is None or client.secret is None:
-            self._count("unknown_client")
-            log.warning("connection refused: client %r has no secret in %s", client_id, self.path)
+            self._count("unknown_client")  # the listener logs the refused handshake
             return None
         return client.secret
 
