@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from coordinator.errors import ConfigurationError, FrameError
 
@@ -101,11 +101,31 @@ class SharedSecret:
     def mac(self, data: bytes) -> bytes:
         return hmac.new(self._key, data, sha256).digest()
 
+    def key_for(self, client_id: str) -> SharedSecret:
+        """`Keys`: with one shared secret every client's key is the same."""
+        return self
+
     def __repr__(self) -> str:
         return "SharedSecret(***)"
 
     def __reduce__(self) -> tuple[object, ...]:
         raise TypeError("a SharedSecret is not pickled: it would travel in the clear")
+
+
+class Keys(Protocol):
+    """Where a server finds the key a client's proof is checked with: one `SharedSecret` for
+    every client, or a key per client (`messaging.authz.Authoriser`, from a clients file). None:
+    no such client, refused as a wrong proof would be (the peer learns nothing of who exists)."""
+
+    def key_for(self, client_id: str) -> SharedSecret | None: ...
+
+
+#: The proof key of a client that a server identifies by its TLS certificate and that holds no
+#: secret of its own: public by design. The handshake then authenticates nothing (TLS did); it
+#: still binds role and version, and the frames stay the same for every kind of client.
+CERTIFICATE_KEY = SharedSecret(b"twopc: identity by TLS client certificate")
+#: checked against when a client is unknown, so the answer takes as long as for a known one
+_NOBODY = SharedSecret(secrets.token_bytes(32))
 
 
 @dataclass(frozen=True)
@@ -181,9 +201,10 @@ def answer_hello(
 
 
 def check_auth(
-    secret: SharedSecret, hello: Hello, frame: Frame | None, roles: Collection[str] | None
+    keys: Keys, hello: Hello, frame: Frame | None, roles: Collection[str] | None
 ) -> tuple[Auth, Welcome]:
-    """Server: verify the client's proof; the WELCOME proves us in turn."""
+    """Server: verify the client's proof with its key (``keys``: a `SharedSecret` or a key per
+    client); the WELCOME proves us in turn, with the same key."""
     auth = _expect(Auth, frame)
     if not (_ID.match(auth.client_id) and _ID.match(auth.role)):  # they reach our logs
         raise _fail("identity", "client id or role is not 1-64 printable ASCII characters")
@@ -191,7 +212,11 @@ def check_auth(
         raise _fail("proof", "client nonce has the wrong size", len(auth.nonce))
     if auth.version not in hello.versions:
         raise _fail("version", f"client chose version {auth.version}", auth.version)
-    if not hmac.compare_digest(auth.proof, secret.mac(_transcript("client", hello, auth))):
+    secret = keys.key_for(auth.client_id)
+    expected = (secret or _NOBODY).mac(_transcript("client", hello, auth))
+    if secret is None:
+        raise _fail("proof", f"client {auth.client_id!r} has no key here", auth.client_id)
+    if not hmac.compare_digest(auth.proof, expected):
         raise _fail("proof", f"client {auth.client_id!r} does not hold the secret", auth.client_id)
     if roles is not None and auth.role not in roles:  # checked after the proof: no role oracle
         raise _fail("role", f"role {auth.role!r} is not served here", auth.role)
@@ -237,7 +262,7 @@ def _refusal(exc: FrameError) -> ErrorFrame | None:
 
 def server_handshake(
     sock: socket.socket,
-    secret: SharedSecret,
+    secret: Keys,
     server_id: str,
     *,
     roles: Collection[str] | None = None,
@@ -342,7 +367,7 @@ def _refuse(sock: socket.socket, exc: FrameError) -> None:
 async def server_handshake_async(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    secret: SharedSecret,
+    secret: Keys,
     server_id: str,
     *,
     roles: Collection[str] | None = None,

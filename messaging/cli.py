@@ -7,7 +7,10 @@ SIGTERM or SIGINT: listener closed, transfer stopped, journal flushed. A ``kill 
 as well: that is what the journals are for.
 
 The shared secret comes from ``--secret-file`` or the ``TWOPC_SECRET`` environment variable
-(never from the command line, where every user of the machine can read it).
+(never from the command line, where every user of the machine can read it). With ``--clients
+FILE`` each client authenticates with its own key (or, with ``--tls-require-client-cert``, its
+certificate) and is held to its grants (`messaging.authz`); SIGHUP reloads the file, and so does
+a change of it (checked every 2 s).
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def register(sub: Any) -> None:
         "partition whose cursor changes may deliver some messages twice)",
     )  # fmt: skip
     log_p.add_argument("--cursor-id", help="refuse a cursor that names itself otherwise")
+    log_p.add_argument(
+        "--client-cert", help="PEM certificate this log shows the cursor (mutual TLS; with "
+        "--tls-ca): the cursor's clients file maps its name",
+    )  # fmt: skip
+    log_p.add_argument("--client-key", help="PEM private key of --client-cert")
     log_p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     log_p.add_argument("--max-destination-messages", type=int, default=None)
     log_p.set_defaults(func=run_log)
@@ -115,6 +123,17 @@ def _common(p: argparse.ArgumentParser, default_listen: str) -> None:
         "with the metrics extra, else a stdlib one; same names)",
     )  # fmt: skip
 
+    p.add_argument(
+        "--tls-require-client-cert", action="store_true",
+        help="mutual TLS: every client shows a certificate --tls-ca signed; with --clients, a "
+        "client is the entry its certificate's CN or SAN names",
+    )  # fmt: skip
+    p.add_argument(
+        "--clients", metavar="FILE",
+        help="per-client keys and grants (TOML): each client authenticates as itself and may "
+        "touch only its destinations and nodes; reloaded on SIGHUP or when the file changes",
+    )  # fmt: skip
+
 
 def client_flags(p: argparse.ArgumentParser) -> None:
     """The flags of a command that talks to a running server: secret, TLS, timeout."""
@@ -141,18 +160,40 @@ def secret_from(args: argparse.Namespace) -> SharedSecret:
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    if args.tls_require_client_cert and not (args.tls_cert and args.tls_ca):
+        raise ConfigurationError(
+            "--tls-require-client-cert needs --tls-cert (and --tls-key) and --tls-ca (the CA "
+            "that signs the clients' certificates)"
+        )
     if not args.tls_cert:
         return None
-    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=False)
+    return TlsConfig(
+        args.tls_cert, args.tls_key, args.tls_ca, require_client_cert=args.tls_require_client_cert
+    )
+
+
+def _own_secret(args: argparse.Namespace, needed: bool) -> SharedSecret | None:
+    """The server's secret: required unless a clients file (and, for a log's transfer, a client
+    certificate) stands in for it."""
+    if needed or args.secret_file or os.environ.get("TWOPC_SECRET"):
+        return secret_from(args)
+    return None
 
 
 def _serve_until_signalled(
     server: LogServer | CursorServer, address: object, notice: str = "",
     metrics: MetricsEndpoint | None = None,
 ) -> int:  # fmt: skip
-    stop = threading.Event()
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the clients file (on this main thread, not
+    in the signal handler: a reload logs, and logging is not safe inside a handler).
+
+    The main thread waits in steps of half a second, never for good: the kernel may deliver a
+    signal to another thread of the process, and Python then runs the handler only when the main
+    thread next executes (an untimed ``Event.wait`` would sleep through a SIGTERM)."""
+    stop, hup = threading.Event(), threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
     try:
         with server:
             host, port = address if isinstance(address, tuple) else ("?", "?")
@@ -163,7 +204,11 @@ def _serve_until_signalled(
                 metrics.start()
                 mhost, mport = metrics.address
                 print(f"metrics on http://{mhost}:{mport}/metrics", flush=True)
-            stop.wait()
+            while not stop.wait(0.5):
+                if hup.is_set():
+                    hup.clear()
+                    if server.authoriser is not None:
+                        server.authoriser.reload()
     finally:
         if metrics is not None:
             metrics.close()
@@ -213,11 +258,18 @@ def run_log(args: argparse.Namespace) -> int:
     from .server import LogServer  # noqa: PLC0415 - `twopc` loads every plugin at start
 
     tls = _tls(args)
-    client_tls = TlsConfig(cafile=args.tls_ca).client_context() if args.tls_ca else None
+    if args.client_cert and not args.tls_ca:
+        raise ConfigurationError("--client-cert needs --tls-ca (the CA of the cursor's cert)")
+    client_tls = (
+        TlsConfig(args.client_cert, args.client_key, args.tls_ca).client_context()
+        if args.tls_ca
+        else None
+    )
     routes = [parse_route(text) for text in args.route]  # refused before anything is opened
+    secret = _own_secret(args, needed=not (args.clients and args.client_cert))
     server = _built(args, lambda: LogServer(
         args.dir,
-        secret_from(args),
+        secret,
         cursor=parse_address(args.cursor),
         listen=parse_address(args.listen),
         server_id=args.id or "twopc-log",
@@ -228,6 +280,7 @@ def run_log(args: argparse.Namespace) -> int:
         max_destination_messages=args.max_destination_messages,
         routes=routes,
         allow_repartition=args.allow_repartition,
+        clients=args.clients,
     ))  # fmt: skip
     mlog = server.mlog  # the cursor keeps this log's streams under its identity
     notice = f"log identity {mlog.identity} incarnation {mlog.incarnation}"
@@ -241,9 +294,10 @@ def run_cursor(args: argparse.Namespace) -> int:
     tls = _tls(args)
     if args.expiry_sweep < 0:
         raise ConfigurationError("--expiry-sweep must be >= 0 seconds (0: no sweep)")
+    secret = _own_secret(args, needed=not args.clients)
     server = _built(args, lambda: CursorServer(
         args.dir,
-        secret_from(args),
+        secret,
         listen=parse_address(args.listen),
         server_id=args.id or "twopc-cursor",
         tls_server=tls.server_context() if tls else None,
@@ -251,5 +305,6 @@ def run_cursor(args: argparse.Namespace) -> int:
         dispatch_workers=args.dispatch_workers,
         precount=args.precount,
         sweep_interval=args.expiry_sweep or None,
+        clients=args.clients,
     ))  # fmt: skip
     return _serve_until_signalled(server, server.address, metrics=_metrics_endpoint(args, server))

@@ -2,7 +2,8 @@
 
 Both servers (`twopc serve log|cursor`) and both kinds of client (a log's transfer to a cursor, an
 application's remote resource) speak through these two classes, so every connection gets the same
-handling: optional TLS first, then the shared-secret handshake (`auth`), then frames of at most
+handling: optional TLS first, then the shared-secret handshake (`auth`; per client with a
+clients file, `authz`), then frames of at most
 ``max_frame`` bytes, checked header first (`frames`). Any bad frame closes *that* connection and
 nothing else; the listener goes on accepting.
 
@@ -14,6 +15,7 @@ transfer peers and the applications' resource clients).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import select
 import socket
@@ -22,11 +24,23 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from coordinator.errors import ConfigurationError, FrameError, TransactionError
 
-from .auth import HANDSHAKE_TIMEOUT, Peer, SharedSecret, client_handshake, server_handshake
+from .auth import (
+    CERTIFICATE_KEY,
+    HANDSHAKE_TIMEOUT,
+    Keys,
+    Peer,
+    SharedSecret,
+    client_handshake,
+    server_handshake,
+)
 from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, encode
+
+if TYPE_CHECKING:
+    from .authz import Authoriser
 
 log = logging.getLogger("twopc.connection")
 
@@ -141,7 +155,7 @@ class Connection:
 
 def connect(
     address: Address,
-    secret: SharedSecret,
+    secret: SharedSecret | None,
     client_id: str,
     role: str,
     *,
@@ -152,7 +166,14 @@ def connect(
     max_frame: int = DEFAULT_MAX_FRAME,
 ) -> Connection:
     """Connect, wrap in TLS if asked, authenticate both ways. Raises `OSError` (refused,
-    unreachable, reset) or `AuthError`; a half-made socket is closed either way."""
+    unreachable, reset) or `AuthError`; a half-made socket is closed either way.
+
+    ``secret`` None: this client is known by its TLS client certificate alone (``tls`` must
+    carry one; the server maps it in its clients file) and proves `CERTIFICATE_KEY`."""
+    if secret is None:
+        if tls is None:
+            raise ConfigurationError("no secret and no TLS client certificate to connect with")
+        secret = CERTIFICATE_KEY
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -175,12 +196,16 @@ class Listener:
     owns the connection until it returns. A handler's `FrameError` or `OSError` closes that
     connection (counted in ``stats``); another twopc error is sent as its code (``error_<code>``
     counted) and closes it; anything else is a defect: ``internal-error``, its traceback logged,
-    counted as ``internal_errors``."""
+    counted as ``internal_errors``.
+
+    With an ``authoriser`` (a clients file, `messaging.authz`) the handshake checks each client
+    with its own key, or knows it by its certificate, and ``stats`` is the authoriser's, so the
+    refusals it counts (``denied_*``) show here too; ``secret`` then admits nobody."""
 
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         server_id: str,
         handlers: Mapping[str, Handler],
         *,
@@ -188,15 +213,20 @@ class Listener:
         max_frame: int = DEFAULT_MAX_FRAME,
         max_connections: int = 256,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        authoriser: Authoriser | None = None,
     ) -> None:
+        if secret is None and authoriser is None:
+            raise ConfigurationError("a listener needs a shared secret or a clients file")
         self.secret = secret
+        #: per-client keys and grants (a clients file); None: the shared secret admits everyone
+        self.authoriser = authoriser
         self.server_id = server_id
         self.handlers = dict(handlers)
         self.tls = tls
         self.max_frame = max_frame
         self.max_connections = max_connections
         self.handshake_timeout = handshake_timeout
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter() if authoriser is None else authoriser.stats
         self._sock = socket.create_server(address, reuse_port=False)
         self.address: Address = self._sock.getsockname()[:2]
         self._lock = threading.Lock()
@@ -253,16 +283,15 @@ class Listener:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.handshake_timeout)
             if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_side=True)
+                sock = self._wrap(sock)
                 with self._lock:
                     self._live[token] = sock
-            peer = server_handshake(
-                sock, self.secret, self.server_id, roles=self.roles,
-                timeout=self.handshake_timeout,
-            )  # fmt: skip
+            peer = self._handshake(sock)
             sock.settimeout(None)
             conn = Connection(sock, peer, max_frame=self.max_frame)
             self.stats["authenticated"] += 1
+            if self.authoriser is not None:
+                self.authoriser.admit(peer)
             self.handlers[peer.role](conn)
         except FrameError as exc:
             self.stats["bad_frames" if conn is not None else "refused_handshake"] += 1
@@ -275,8 +304,7 @@ class Listener:
         except TransactionError as exc:  # a documented refusal (a journal that cannot write...)
             self.stats[f"error_{exc.code}"] += 1
             log.error("closing connection from %s: %s", peer_address, exc)
-            if conn is not None:
-                conn.refuse(exc.code, exc.message[:500])
+            _refuse(conn, sock, exc.code, exc.message[:500])
         except Exception:  # a defect: the one place a traceback is logged, and counted
             self.stats[INTERNAL_ERRORS] += 1
             log.exception("handler failed for %s", peer_address)
@@ -290,6 +318,28 @@ class Listener:
             with self._lock:
                 self._live.pop(token, None)
                 self._threads.discard(threading.current_thread())
+
+    def _wrap(self, sock: socket.socket) -> socket.socket:
+        """TLS first; a peer TLS refuses (no client certificate, or one no trusted CA signed,
+        when client certificates are required) is counted as ``refused_tls``."""
+        assert self.tls is not None
+        try:
+            return self.tls.wrap_socket(sock, server_side=True)
+        except ssl.SSLError:
+            self.stats["refused_tls"] += 1
+            raise
+
+    def _handshake(self, sock: socket.socket) -> Peer:
+        """The shared-secret handshake, with the clients file's keys when there is one; a client
+        known by its certificate is known by its entry's name, whatever AUTH called it."""
+        keys: Keys = self.secret if self.secret is not None else _NO_KEYS
+        known_as = None
+        if self.authoriser is not None:
+            keys, known_as = self.authoriser.handshake_keys(sock)
+        peer = server_handshake(
+            sock, keys, self.server_id, roles=self.roles, timeout=self.handshake_timeout
+        )
+        return peer if known_as is None else dataclasses.replace(peer, id=known_as)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, shut every connection (their handlers see EOF or an error), and wait
@@ -318,3 +368,26 @@ class Listener:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class _NoKeys:
+    """`Keys` of a listener with neither secret nor clients file (refused at construction)."""
+
+    def key_for(self, client_id: str) -> SharedSecret | None:
+        return None
+
+
+_NO_KEYS = _NoKeys()
+
+
+def _refuse(conn: Connection | None, sock: socket.socket, code: str, message: str) -> None:
+    """Tell the peer why it is closed: on its connection, or, refused before the handshake
+    (a client certificate no client maps to), on the bare socket. Best effort either way."""
+    if conn is not None:
+        conn.refuse(code, message)
+        return
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(encode(ErrorFrame(code, message)))
+    except OSError:
+        pass

@@ -12,7 +12,9 @@ as ``twopc serve log`` / ``twopc serve cursor``.
   subscription queues (``dispatch_workers`` threads; 0 runs none). Embedded, ``server.resource``
   is the local resource.
 
-Both authenticate every connection with the shared secret (and TLS if configured). Neither owns
+Both authenticate every connection with the shared secret (and TLS if configured) or, given a
+clients file (``clients=``, `messaging.authz`), each client with its own key or certificate, and
+then judge each request by that client's grants. Neither owns
 a transaction outcome: a remote branch is decided by its application's coordinator, and what a
 server finds handed out or prepared when it starts is what its journal says (see the stores).
 """
@@ -41,6 +43,7 @@ from resource_managers.message_log import (
 from resource_managers.sequencing import DoublingBackoff
 
 from .auth import SharedSecret
+from .authz import DEFAULT_WATCH_INTERVAL, Authoriser, authoriser_from
 from .connection import INTERNAL_ERRORS, Address, Connection, Handler, Listener, connect
 from .expiry import DEFAULT_SWEEP_INTERVAL, ExpirySweeper
 from .metrics import Family, cursor_families, log_families, to_value
@@ -50,6 +53,18 @@ from .topics import DEFAULT_DISPATCH_WORKERS, TopicDispatcher
 from .transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 
 log = logging.getLogger("twopc.server")
+
+#: a server's ``clients``: a clients file (`messaging.clients`), an `Authoriser`, or None for the
+#: shared secret alone
+Clients = str | os.PathLike[str] | Authoriser | None
+
+
+def _authoriser(
+    clients: Clients, tls_server: ssl.SSLContext | None, watch: float
+) -> Authoriser | None:
+    """A server that requires client certificates knows a client by its certificate's name."""
+    by_certificate = tls_server is not None and tls_server.verify_mode == ssl.CERT_REQUIRED
+    return authoriser_from(clients, require_client_cert=by_certificate, watch_interval=watch)
 
 
 class LogServer:
@@ -64,7 +79,7 @@ class LogServer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         cursor: Address,
         listen: Address | None = None,
@@ -80,8 +95,15 @@ class LogServer:
         resource_name: str = "mlog",
         routes: Sequence[Route] = (),
         allow_repartition: bool = False,
+        clients: Clients = None,
+        clients_watch: float = DEFAULT_WATCH_INTERVAL,
     ) -> None:
+        if secret is None and tls_client is None:
+            raise ConfigurationError(
+                "a log needs a secret, or a TLS client certificate (tls_client), for its cursor"
+            )
         self.router = Router(cursor, routes)
+        self.authoriser = _authoriser(clients, tls_server, clients_watch)
         self.mlog = MessageLog(
             directory,
             max_message_bytes=max_message_bytes,
@@ -117,12 +139,15 @@ class LogServer:
         }
         self.transfer = self.transfers[cursor]
         self.listener: Listener | None = None
-        self.service = ProducerService(self.mlog)
+        self.service = ProducerService(self.mlog, self.authoriser)
         self.service.stats_source = lambda: to_value(self.families())
         try:
             if listen is not None:
                 handlers = {PRODUCER_ROLE: self.service}
-                self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
+                self.listener = Listener(
+                    listen, secret, server_id, handlers, tls=tls_server,
+                    authoriser=self.authoriser,
+                )  # fmt: skip
         except BaseException:
             self.mlog.close()
             raise
@@ -153,6 +178,8 @@ class LogServer:
     def start(self) -> LogServer:
         for transfer in self.transfers.values():
             transfer.start()
+        if self.authoriser is not None:
+            self.authoriser.start()
         if self.listener is not None:
             self.listener.start()
         return self
@@ -161,6 +188,8 @@ class LogServer:
         """Stop serving, stop the transfer, then close the journal (lazy records flushed)."""
         if self.listener is not None:
             self.listener.close()
+        if self.authoriser is not None:
+            self.authoriser.close()
         for transfer in self.transfers.values():
             transfer.close()
         self.mlog.close()
@@ -186,7 +215,7 @@ class CursorServer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         listen: Address,
         server_id: str = "twopc-cursor",
@@ -196,7 +225,10 @@ class CursorServer:
         dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
         precount: int = DEFAULT_PRECOUNT,
         sweep_interval: float | None = DEFAULT_SWEEP_INTERVAL,
+        clients: Clients = None,
+        clients_watch: float = DEFAULT_WATCH_INTERVAL,
     ) -> None:
+        self.authoriser = _authoriser(clients, tls_server, clients_watch)
         self.cursor = Cursor(directory, max_deliveries=max_deliveries, precount=precount)
         self.resource = CursorResource(self.cursor, resource_name, max_deliveries)
         self.receiver = TransferReceiver(self.cursor)
@@ -206,7 +238,7 @@ class CursorServer:
             self.topics = (
                 TopicDispatcher(self.cursor, dispatch_workers) if dispatch_workers > 0 else None
             )
-            self.service = ConsumerService(self.cursor, max_deliveries)
+            self.service = ConsumerService(self.cursor, max_deliveries, self.authoriser)
             self.service.stats_source = lambda: to_value(self.families())
             #: the periodic expiry sweep (None: ``sweep_interval`` None or 0, receives only)
             self.sweeper = ExpirySweeper(self.cursor, sweep_interval) if sweep_interval else None
@@ -214,7 +246,9 @@ class CursorServer:
                 TRANSFER_ROLE: self.receiver,
                 CONSUMER_ROLE: self.service,
             }
-            self.listener = Listener(listen, secret, server_id, handlers, tls=tls_server)
+            self.listener = Listener(
+                listen, secret, server_id, handlers, tls=tls_server, authoriser=self.authoriser
+            )
         except BaseException:
             self.cursor.close()
             raise
@@ -242,6 +276,8 @@ class CursorServer:
             self.topics.start()
         if self.sweeper is not None:
             self.sweeper.start()
+        if self.authoriser is not None:
+            self.authoriser.start()
         self.listener.start()
         return self
 
@@ -252,6 +288,8 @@ class CursorServer:
             self.listener.close()
             if self.sweeper is not None:
                 self.sweeper.stop()
+            if self.authoriser is not None:
+                self.authoriser.close()
             if self.topics is not None:
                 log.info("topic dispatch stopped: %s", self.topics.stop())
         finally:

@@ -13,7 +13,7 @@ import ssl
 import threading
 
 from coordinator.errors import IllegalStateError
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address, Connection, connect
 
 from .protocol import RemoteUnavailable
@@ -25,11 +25,11 @@ class _Pool:
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         client_id: str,
         role: str,
-        tls: ssl.SSLContext | None,
+        tls: ssl.SSLContext | TlsConfig | None,
         server_hostname: str | None,
         timeout: float,
         max_idle: int = 4,
@@ -38,7 +38,8 @@ class _Pool:
         self._secret = secret
         self._client_id = client_id
         self._role = role
-        self._tls = tls
+        #: a `TlsConfig` is made a context once, here: its files are read once per pool
+        self._tls = tls.client_context() if isinstance(tls, TlsConfig) else tls
         self._server_hostname = server_hostname
         self._timeout = timeout
         self._max_idle = max_idle

@@ -24,7 +24,7 @@ from coordinator import tracing
 from coordinator.errors import IllegalStateError, OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address, Connection
 from messaging.frames import FrameType, Value
 from resource_managers.cursor import Delivery
@@ -101,18 +101,19 @@ class RemoteCursor(CursorAdmin[RemoteConsumerBranch]):
     why attachments live on one connection, and `messaging.remote.admin`).
 
     ``name`` is the bqual (the server keeps one resource per name, with its own
-    ``max_deliveries``): keep it stable."""
+    ``max_deliveries``): keep it stable. ``secret``, ``client_id`` and ``tls`` as for
+    `RemoteMessageLog` (its own key, or None with a client certificate, under a clients file)."""
 
     _role = CONSUMER_ROLE
 
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         name: str = "cursor",
         client_id: str = "twopc-client",
-        tls: ssl.SSLContext | None = None,
+        tls: ssl.SSLContext | TlsConfig | None = None,
         server_hostname: str | None = None,
         timeout: float = 30.0,
         sort_key: str | None = None,

@@ -16,7 +16,7 @@ import time
 from coordinator.errors import OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address
 from messaging.frames import FrameType, Value
 from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES, BranchDoomed, StagingBranch
@@ -51,18 +51,22 @@ class RemoteMessageLog(_RemoteResource[RemoteProducerBranch]):
 
     ``name`` is the bqual (the server keeps one resource per name): keep it stable, and unique
     among the clients of one log unless they share a coordinator node id. ``max_message_bytes``
-    is checked at ``send``; the server checks its own limit again."""
+    is checked at ``send``; the server checks its own limit again.
+
+    ``secret`` is the shared secret, or this client's own key when the server has a clients file
+    (``client_id`` names its entry there); None for a client known by its TLS certificate alone
+    (``tls``: a context or a `TlsConfig` with ``certfile``/``keyfile``)."""
 
     _role = PRODUCER_ROLE
 
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         name: str = "mlog",
         client_id: str = "twopc-client",
-        tls: ssl.SSLContext | None = None,
+        tls: ssl.SSLContext | TlsConfig | None = None,
         server_hostname: str | None = None,
         timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,

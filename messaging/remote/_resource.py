@@ -29,7 +29,7 @@ from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError, ProgrammingError
 from coordinator.resource import Outcome
 from coordinator.xid import Xid, branches_of
-from messaging.auth import SharedSecret
+from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address, Connection
 from messaging.frames import FrameType, Value, XaReply, XaRequest
 from resource_managers.bookkeeping import B, Branches
@@ -59,11 +59,11 @@ class _RemoteResource(Branches[B]):
     def __init__(
         self,
         address: Address,
-        secret: SharedSecret,
+        secret: SharedSecret | None,
         *,
         name: str,
         client_id: str,
-        tls: ssl.SSLContext | None,
+        tls: ssl.SSLContext | TlsConfig | None,
         server_hostname: str | None,
         timeout: float,
         sort_key: str | None,

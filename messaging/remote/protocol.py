@@ -44,6 +44,7 @@ from coordinator.errors import (
     TransientError,
 )
 from coordinator.resource import Outcome, Vote
+from messaging.authz import UnauthorisedError
 from messaging.frames import FrameType, Value, XaReply
 from resource_managers.cursor import BranchRolledBack as CursorBranchRolledBack
 from resource_managers.cursor import Delivery, Subscription
@@ -169,6 +170,7 @@ ERRORS: dict[str, type[TransactionError]] = {
         RemoteUnavailable,
         BranchLost,
         RemoteError,
+        UnauthorisedError,
     )
 }
 

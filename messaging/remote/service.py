@@ -21,6 +21,11 @@ connection goes on; only a bad frame
 own resources (`MessageLogResource`, `CursorResource`, one per branch name, made on demand)
 enforce the XA rules; this module only maps verbs to them.
 
+With an `Authoriser` (a server's clients file, `messaging.authz`) every request is judged by the
+connected client's grants once its shape is checked and before it touches anything: the xid's
+node, then what the verb names (`_grants`); ``XA_RECOVER`` and the administrative listings are
+filtered to what the client may see. Without one nothing is judged (the shared secret admits).
+
 Verbs (``rm`` is the resource name and must equal the xid's bqual):
 
 ======== =========================================== =========================================
@@ -69,6 +74,8 @@ from coordinator.errors import (
 )
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid, is_sub_branch_of
+from messaging.authz import Authoriser
+from messaging.clients import Client
 from messaging.connection import INTERNAL_ERRORS, Connection
 from messaging.frames import FrameType, Ping, Pong, Value, XaReply, XaRequest
 from resource_managers.cursor import (
@@ -85,6 +92,7 @@ from resource_managers.message_log import (
     check_message,
 )
 
+from ._grants import authorise_consumer, authorise_producer, filter_admin_result
 from .admin import CursorAdmin
 from .protocol import (
     ADMIN_ARGS,
@@ -128,6 +136,8 @@ class Open(dict[Xid, Any]):
     def __init__(self, conn: Connection) -> None:
         super().__init__()
         self.conn = conn
+        #: the clients-file entry the current request is judged by (None: no clients file)
+        self.client: Client | None = None
 
 
 class _Service(Generic[R]):
@@ -135,7 +145,9 @@ class _Service(Generic[R]):
 
     role: str
 
-    def __init__(self) -> None:
+    def __init__(self, authoriser: Authoriser | None = None) -> None:
+        #: per-client grants (a clients file); None: every authenticated peer may do anything
+        self.authoriser = authoriser
         self._lock = threading.Lock()
         self._resources: dict[str, R] = {}
         #: ``internal_errors``: requests that failed with a non-twopc exception (a defect)
@@ -189,6 +201,8 @@ class _Service(Generic[R]):
             elif request.xid.bqual != rm and not is_sub_branch_of(request.xid.bqual, rm):
                 raise BadRequestError(f"rm {rm!r} is not the xid's branch {request.xid.bqual!r}")
             check_arg_keys(request.verb, request.args, self._arg_keys(request))
+            if self.authoriser is not None:
+                opened.client = self._authorise(self.authoriser, request, opened.conn.peer.id)
             result = handler(self.resource(rm), request.xid, request.args, opened)
         except Exception as exc:
             if not isinstance(exc, TransactionError):
@@ -200,6 +214,18 @@ class _Service(Generic[R]):
     def _arg_keys(self, request: XaRequest) -> frozenset[str]:
         """The argument keys ``request``'s verb takes besides ``rm``."""
         raise NotImplementedError
+
+    def _authorise(self, authoriser: Authoriser, request: XaRequest, name: str) -> Client:
+        """Refuse (`UnauthorisedError`) what the client's grants do not cover, before anything
+        is touched: a branch of a node it does not act for, then what the verb names."""
+        client = authoriser.client(name)
+        if request.xid is not None:
+            authoriser.check_node(client, request.xid)
+        self._authorise_args(authoriser, client, request)
+        return client
+
+    def _authorise_args(self, authoriser: Authoriser, client: Client, request: XaRequest) -> None:
+        """The role's own checks of a request's arguments (destinations)."""
 
     def _reply(self, conn: Connection, request: XaRequest, reply: XaReply, opened: Open) -> None:
         try:
@@ -243,7 +269,10 @@ class _Service(Generic[R]):
             return self._stats()
         if "op" in args:
             raise BadRequestError(f"the {self.role} service has no administrative ops but stats")
-        return {"xids": [x.to_gid() for x in r.recover()]}
+        found = r.recover()
+        if self.authoriser is not None and opened.client is not None:
+            found = self.authoriser.visible(opened.client, found)  # never another node's
+        return {"xids": [x.to_gid() for x in found]}
 
     def _stats(self) -> Result:
         """The ``stats`` op, which both services answer: the server's metric families."""
@@ -261,9 +290,12 @@ class ProducerService(_Service[MessageLogResource]):
 
     role = PRODUCER_ROLE
 
-    def __init__(self, mlog: MessageLog) -> None:
-        super().__init__()
+    def __init__(self, mlog: MessageLog, authoriser: Authoriser | None = None) -> None:
+        super().__init__(authoriser)
         self.mlog = mlog
+
+    def _authorise_args(self, authoriser: Authoriser, client: Client, request: XaRequest) -> None:
+        authorise_producer(authoriser, client, request)
 
     def _make(self, name: str) -> MessageLogResource:
         return MessageLogResource(self.mlog, name)
@@ -346,11 +378,19 @@ class ConsumerService(_Service[CursorResource]):
 
     role = CONSUMER_ROLE
 
-    def __init__(self, cursor: Cursor, max_deliveries: int = DEFAULT_MAX_DELIVERIES) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        cursor: Cursor,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        authoriser: Authoriser | None = None,
+    ) -> None:
+        super().__init__(authoriser)
         self.cursor = cursor
         self.max_deliveries = max_deliveries
         self.admin = CursorAdmin(cursor)
+
+    def _authorise_args(self, authoriser: Authoriser, client: Client, request: XaRequest) -> None:
+        authorise_consumer(authoriser, client, request)
 
     def _make(self, name: str) -> CursorResource:
         return CursorResource(self.cursor, name, self.max_deliveries)
@@ -380,7 +420,11 @@ class ConsumerService(_Service[CursorResource]):
     ) -> Result:
         if "op" not in args or args["op"] == STATS_OP:
             return self._recover(r, xid, args, opened)
-        return self.admin.answer(arg_str(args, "op"), args, id(opened), opened.conn)
+        op = arg_str(args, "op")
+        result = self.admin.answer(op, args, id(opened), opened.conn)
+        if self.authoriser is not None and opened.client is not None:
+            return filter_admin_result(opened.client, op, result)
+        return result
 
     def _abandon(self, opened: Open) -> None:
         try:

@@ -45,9 +45,14 @@ def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str
 
 
 def listening(proc: subprocess.Popen[str]) -> str:
+    """The address of the ``listening on`` line. Log lines may come first (a log whose cursor
+    is still starting warns ``cannot reach cursor`` before it prints it); reading on after a
+    wrong first line would wait for a live server's EOF for ever."""
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("listening on"), line + proc.stdout.read()
+    seen = []
+    while not (line := proc.stdout.readline()).startswith("listening on"):
+        seen.append(line)
+        assert line, "".join(seen)  # EOF: the server exited; what it said is the reason
     return line.split()[-1]
 
 
