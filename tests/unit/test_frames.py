@@ -50,10 +50,6 @@ from messaging.frames import (
     Welcome,
     XaReply,
     XaRequest,
-    _decode_generic,
-    _decode_msg,
-    _encode_generic,
-    _encode_msg,
     decode,
     decode_value,
     encode,
@@ -63,6 +59,7 @@ from messaging.frames import (
     send_frame,
     write_frame,
 )
+from messaging.frames._codec import _decode_generic, _decode_msg, _encode_generic, _encode_msg
 
 XID = Xid.branch_of("node-1:abc-1", "mlog")
 U64_MAX = 2**64 - 1
