@@ -16,9 +16,8 @@ from coordinator.crashpoints import crash_point
 from coordinator.resource import Resource
 
 from ._base import FINAL_REPLIES, ONE_PHASE_MARKER_TTL, log
-from ._errors import BranchConflict
 from ._prepare import PrepareOps
-from .branch import ACTIVE, ENDED, FAILED, PREPARING, RedisBranch
+from .branch import ACTIVE, ENDED, FAILED, RedisBranch
 
 
 class CommitOps(PrepareOps):
@@ -135,12 +134,7 @@ class CommitOps(PrepareOps):
         return Outcome.HEURISTIC_HAZARD
 
     def _commit_one_phase(self, branch: RedisBranch) -> Outcome | None:
-        with branch.lock:
-            branch.check_active()
-            if branch.doomed is not None:
-                branch.phase = FAILED
-                raise BranchConflict(f"{self._name}: {branch.doomed}")
-            branch.phase = PREPARING
+        self._start_vote(branch)
         if not branch.ops:
             self._check_watches(branch)
             return None

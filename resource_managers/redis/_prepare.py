@@ -57,12 +57,7 @@ class PrepareOps(RedisBase):
         """Phase one up to the script: the branch's checks, then (branch, the prepare script's
         KEYS and ARGV, the keys it locks); or the vote of a branch with nothing to promise."""
         branch = self._branch(xid)
-        with branch.lock:
-            branch.check_active()
-            if branch.doomed is not None:
-                branch.phase = FAILED
-                raise BranchConflict(f"{self._name}: {branch.doomed}")
-            branch.phase = PREPARING
+        self._start_vote(branch)
         if not branch.ops:  # nothing to promise; a watched key that changed still votes no
             self._check_watches(branch)
             return Vote.READ_ONLY
@@ -72,6 +67,16 @@ class PrepareOps(RedisBase):
         args = [gid, self.prefix, len(touched), len(branch.watches), *watch_args, packed]
         crash_point(f"redis.{self._name}.after_stage")
         return branch, keys, args, touched
+
+    def _start_vote(self, branch: RedisBranch) -> None:
+        """Phase one (or a one-phase commit) begins: a doomed branch votes no, and no more
+        commands are taken."""
+        with branch.lock:
+            branch.check_active()
+            if branch.doomed is not None:
+                branch.phase = FAILED
+                raise BranchConflict(f"{self._name}: {branch.doomed}")
+            branch.phase = PREPARING
 
     def _voted(self, branch: RedisBranch, reply: list[bytes], touched: list[bytes]) -> Vote:
         """The vote the prepare script's ``reply`` gives; a refusal raises (votes no)."""
