@@ -13,6 +13,10 @@ carries its verdict.
 Entries are keyed by ``key``: the message id for a queue's message, ``<id>@<queue>`` for a
 topic copy (one per subscription; the copies share the message, and its id is what consumers
 see), so ``H``/``P``/``C``/``R`` records name keys and need nothing topic-specific.
+
+Why one module: every record kind's ``apply`` is here, so replay's idempotence and the one-order
+rule are checked in one file; the live cursor's concerns are split over its mixins, and their
+records all meet here.
 """
 
 from __future__ import annotations
