@@ -41,7 +41,8 @@ from coordinator.crashpoints import crash_point
 from coordinator.xid import branches_of, is_sub_branch_of, validate_resource_name
 from resource_managers import lazy_commit
 
-from ._log import BranchRolledBack, DestinationFullError, MessageLog
+from ._base import BranchRolledBack, DestinationFullError
+from ._log import MessageLog
 from ._records import Message
 from ._validation import InvalidMessageError, outgoing
 
