@@ -8,6 +8,10 @@ The ordering rules this module enforces (each marked by a crash point):
   whose commit record is lazy (`lazy_commit`), only once that record is durable.
 - If the log cannot say whether the COMMIT record is on disk, nothing is rolled back: the outcome
   is unknown until recovery reads the log again.
+
+Why one module: the completion protocol is kept in one module so that a reviewer reads every path
+to the decision (one phase, two phase, last resource, batched and lazy phase two, heuristics, END)
+in one place, in the order its crash points mark.
 """
 
 from __future__ import annotations

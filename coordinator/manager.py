@@ -1,4 +1,9 @@
-"""The transaction manager: begins transactions, owns the decision log, runs recovery."""
+"""The transaction manager: begins transactions, owns the decision log, runs recovery.
+
+Why one module: it is the one object users hold, and its methods are mostly short delegations to
+`_completion`, `recovery`, `_reaper` and the decision log; splitting it would spread one API over
+several files without shortening any path through it.
+"""
 
 from __future__ import annotations
 

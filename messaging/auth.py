@@ -26,6 +26,10 @@ TLS is optional and orthogonal: wrap the socket with a `TlsConfig` context first
 handshake inside it (the secret still authenticates the peer; TLS adds secrecy and server
 identity). Authentication admits a peer to the protocol; it grants no power over outcomes: a
 transaction's outcome is decided by the coordinator's log, never by anything a peer sends.
+
+Why one module: the handshake's two halves (the client's proof, the server's check) and the
+transcript both sign are kept together, so that a change to one side cannot miss the other; the
+TLS configuration beside them is what wraps the same socket first.
 """
 
 from __future__ import annotations

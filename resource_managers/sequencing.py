@@ -35,6 +35,10 @@ is *claimed* by the first log that sends that stream in the same epoch (`StreamF
 ``offer`` judges without changing anything; the caller persists the message with
 ``decision.after`` atomically, then calls ``accepted`` and only then sends the ack it returns
 (persist before acknowledging). Drops carry their re-acknowledgment in ``decision.ack``.
+
+Why one module: the sender's numbering and the filter's rule are the two halves of one invariant
+(an accepted frame never skips a live message), pure code with no I/O; they are checked side by
+side.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ Running as root, PostgreSQL refuses to start (initdb says why), so the cluster i
 as the ``postgres`` user when there is one. The binaries are looked up on PATH and in Debian's
 ``/usr/lib/postgresql/<version>/bin``; `find_postgres_bin` and `find_redis_server` say where, or
 None, so callers can explain what to install.
+
+Why one module: it is a self-contained testing helper that imports only the standard library, so a
+user can read (or copy) it whole; the two servers share one process base.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ Wire shapes (maps of `messaging.frames.Value`):
   out: one a non-transactional queue rejected)
 - subscription: ``{topic, name, durable, queue, connected, available, in_flight}``
 - vote: ``"commit"`` | ``"read_only"`` | ``"rollback"``; outcome: None or an `Outcome` value
+
+Why one module: it is the remote verbs' contract as code (the argument tables, their checks, the
+error codes both ways and the value shapes above), which the client and the server both import;
+kept whole so that a change to a verb's arguments and to their checking is one edit in one place.
 """
 
 from __future__ import annotations

@@ -56,6 +56,10 @@ RECOVER  ``rm, op, ...`` (no xid): administration    see `admin` (subscriptions,
 a different number (it was rolled back when an earlier connection dropped, or the server
 restarted), the answer is ``branch-lost``: voting yes, or read-only, for a branch whose messages
 were handed to someone else would deliver them twice or drop them.
+
+Why one module: the verb table above is the contract of both services, and the request loop,
+argument checks and authorisation hooks they share are read with it; the two services differ in a
+few verbs each, which a reader compares side by side here.
 """
 
 from __future__ import annotations

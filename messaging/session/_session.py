@@ -1,4 +1,9 @@
-"""`Session`: one JMS session's transactions, receipts and acknowledgments (see the package)."""
+"""`Session`: one JMS session's transactions, receipts and acknowledgments (see the package).
+
+Why one module: the acknowledgment mode changes what receive, commit, recover and close each do,
+so every section reads the session's one state (its transaction, its unacknowledged receipts, its
+dups-ok batch); the subscriber and the types already live apart (`_subscriber`, `_types`).
+"""
 
 from __future__ import annotations
 

@@ -20,6 +20,10 @@ filter, so a crash of either side at any point costs at most a resend that the f
 Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet),
 ``xfer.log.before_compact`` (an ack received, the log not yet compacted) and
 ``xfer.log.after_keep_refused`` (a refused message kept in ``refused/``, not yet dropped).
+
+Why one module: the pump is one thread that owns the socket, and its steps (acknowledgments, new
+commits, expiry, sends, reconnects) share its state; the single-owner rule is easiest to check
+with the whole loop in one class.
 """
 
 from __future__ import annotations

@@ -6,15 +6,7 @@ acknowledging) and keeps them per destination until consumed. `CursorResource` m
 two-phase participant whose branches (`ConsumerBranch`) ``receive`` messages.
 """
 
-from ._cursor import (
-    DEFAULT_MAX_DELIVERIES,
-    BranchRolledBack,
-    Cursor,
-    CursorStats,
-    Delivery,
-    LogFencedError,
-    journal_replay,
-)
+from ._cursor import Cursor
 from ._precount import DEFAULT_PRECOUNT
 from ._queues import DEAD_LETTER, DROP, QueueDepth
 from ._records import DLQ_SUFFIX
@@ -28,6 +20,14 @@ from ._topics import (
     subscription_name,
     subscription_queue,
     validate_topic,
+)
+from ._values import (
+    DEFAULT_MAX_DELIVERIES,
+    BranchRolledBack,
+    CursorStats,
+    Delivery,
+    LogFencedError,
+    journal_replay,
 )
 from .resource import ConsumerBranch, CursorResource
 

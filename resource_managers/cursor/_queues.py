@@ -22,18 +22,17 @@ belongs to a branch, which will commit (consumed) or roll back (waiting again: d
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from coordinator.crashpoints import crash_point
 from coordinator.errors import IllegalStateError, ProgrammingError
-from coordinator.journal import Compaction, Gate, Journal, JournalStats, Ticket
+from coordinator.journal import JournalStats
 from resource_managers.message_log import validate_destination
 
+from ._base import CursorBase
 from ._records import DLQ_SUFFIX
 from ._state import CursorState, Entry, is_topic
 
@@ -108,25 +107,8 @@ def queue_depths(state: CursorState) -> list[QueueDepth]:
     ]
 
 
-class QueueOps:
-    """`Cursor`'s operator side (see the module docstring); `Cursor` provides the attributes."""
-
-    _lock: threading.Lock
-    _gate: Gate
-    _state: CursorState
-    _journal: Journal
-    _compaction: Compaction
-    _clock: Callable[[], int]
-    changed: threading.Condition
-
-    def _submit_locked(self, record: dict[str, Any], force: bool) -> Ticket:
-        raise NotImplementedError
-
-    def _submit_many_locked(self, records: list[dict[str, Any]]) -> Ticket:
-        raise NotImplementedError
-
-    def _wait(self, ticket: Ticket) -> None:
-        raise NotImplementedError
+class QueueOps(CursorBase):
+    """`Cursor`'s operator side (see the module docstring)."""
 
     def queues(self) -> list[QueueDepth]:
         """The depth of every queue (plain queues and subscription queues)."""

@@ -5,13 +5,18 @@ carried records a second time): an ``M`` at or below its stream's filter state, 
 message already present, an ``H`` of a message not available, a ``P`` of ids already prepared,
 a ``K`` already in the monitor queue, all change nothing. Every decision an ``apply`` takes
 (replay a dead letter or not, skip a copy for a subscription that is gone) depends only on
-records before it, and the live cursor applies records in the journal's order (`Cursor._append`
-queues and applies under one lock), so a replay takes the same decision. The one record applied
-after its write, ``M`` (its filter must not run ahead of the disk), carries its verdict.
+records before it, and the live cursor applies records in the journal's order
+(`CursorBase._append` queues and applies under one lock), so a replay takes the same decision.
+The one record applied after its write, ``M`` (its filter must not run ahead of the disk),
+carries its verdict.
 
 Entries are keyed by ``key``: the message id for a queue's message, ``<id>@<queue>`` for a
 topic copy (one per subscription; the copies share the message, and its id is what consumers
 see), so ``H``/``P``/``C``/``R`` records name keys and need nothing topic-specific.
+
+Why one module: every record kind's ``apply`` is here, so replay's idempotence and the one-order
+rule are checked in one file; the live cursor's concerns are split over its mixins, and their
+records all meet here.
 """
 
 from __future__ import annotations

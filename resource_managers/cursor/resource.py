@@ -45,8 +45,9 @@ from resource_managers import lazy_commit
 from resource_managers.bookkeeping import Branches
 from resource_managers.message_log import validate_destination
 
-from ._cursor import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Cursor, Delivery
+from ._cursor import Cursor
 from ._topics import Subscription
+from ._values import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Delivery
 
 
 class ConsumerBranch:

@@ -5,14 +5,14 @@ two-phase participant whose branches (`ProducerBranch`) ``send`` messages; the t
 reads committed messages with ``pending`` and compacts them with ``acknowledge``.
 """
 
-from ._log import (
+from ._base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BranchRolledBack,
     DestinationFullError,
-    MessageLog,
     MessageLogStats,
     journal_replay,
 )
+from ._log import MessageLog
 from ._options import MessageOptions, SendKwargs, SendOptions
 from ._partition import (
     MAX_PARTITIONS,

@@ -41,7 +41,8 @@ from coordinator.xid import branches_of
 from resource_managers import lazy_commit
 from resource_managers.bookkeeping import Branches
 
-from ._log import BranchRolledBack, DestinationFullError, MessageLog
+from ._base import BranchRolledBack, DestinationFullError
+from ._log import MessageLog
 from ._options import SendKwargs, SendOptions
 from ._records import Message
 from ._validation import InvalidMessageError, outgoing

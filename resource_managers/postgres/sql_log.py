@@ -17,8 +17,8 @@ are lazy and ride on the next batch, the renewal thread's tick or `SqlDecisionLo
 participant shares the log's database, its own commit carries the COMMIT row instead
 (`coordinator.last_resource.CarryingLog`).
 
-The SQL lives in `_log_sql`, the batching in `_log_batches`; what stays here (~570 lines) is one
-class whose writes, lease and fencing share one state (the epoch, the fenced flag, the queued
+Why one module: the SQL lives in `_log_sql`, the batching in `_log_batches`; what stays here is
+one class whose writes, lease and fencing share one state (the epoch, the fenced flag, the queued
 ENDs): every write's failure path reads it, so splitting the lease from the writes would pass that
 state back and forth.
 """

@@ -15,6 +15,10 @@ that loses members somewhere in the branch, `queries_for` asks for the collectio
 every member the branch touches, which lets the replay count exactly. A whole hash or set is
 answered the same way: what was read, less the touched members, plus the touched members as the
 replay left them.
+
+Why one module: every command family's replay over the server's values must agree with the
+commit script's effect of the same command, so the replays are kept in one place to be compared,
+one function per family, with the queries that feed them.
 """
 
 from __future__ import annotations

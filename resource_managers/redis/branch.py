@@ -15,6 +15,9 @@ True): the fast path for counters many transactions update at once.
 
 ``watch(key)`` works like Redis's ``WATCH``: call it *before* reading a key whose value decides
 what the branch writes; if the key changes before prepare, the branch votes no.
+
+Why one module: it is the command surface users call, one short method per redis-py command, so
+its length grows with `SUPPORTED_COMMANDS`; the semantics live in `_overlay` and `_writeset`.
 """
 
 from __future__ import annotations

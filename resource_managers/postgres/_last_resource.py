@@ -1,0 +1,126 @@
+"""`PostgresResource` as a logging last resource (`coordinator.last_resource`): the commit that
+carries the decision row, and the decision table's reads, ends and drops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, NoReturn
+
+from coordinator import OutcomeUnknownError, ProgrammingError, Xid
+from coordinator.crashpoints import crash_point
+from coordinator.decision_log import Decision
+from coordinator.errors import FencedError
+
+from . import _errors
+from ._base import BranchFailed, PostgresBase
+from ._branch import Branch
+from ._decision_table import DecisionTable
+
+
+class LastResourceOps(PostgresBase):
+    """`PostgresResource`'s last-resource verbs (``last_resource=True``)."""
+
+    # -- the last resource (coordinator.last_resource) ---------------------------------------------
+
+    def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
+        """The branch's data and the decision row in one server commit, one round trip."""
+        table = self._decision_table()
+        with self._lock:
+            ended, self._ended = self._ended, []
+        node = xid.node_id or ""
+        sql, params = table.commit(decision.gtrid, node, decision.branches, ended)
+        try:
+            self.commit_carrying(xid, sql, params, fence=_errors.is_unique_violation)
+        except BaseException:
+            self._requeue(ended)
+            raise
+
+    def commit_carrying(
+        self,
+        xid: Xid,
+        sql: str,
+        params: list[Any],
+        *,
+        fence: Callable[[BaseException], bool],
+        fenced: str = "recovery presumed {gtrid} aborted before its last resource could commit",
+    ) -> None:
+        """Send ``sql`` (a decision record's statements, ending in ``COMMIT``) inside the branch's
+        own transaction: the branch's data and the record in one server commit, one round trip.
+
+        Answers as `LastResource.commit_with_decision`: an error that ``fence`` recognises (the
+        record's own guard refused it) is `FencedError`, with ``fenced`` as its reason.
+        """
+        branch = self._branch(xid)
+        self._flush_for_commit(branch)
+        if branch.begin is not None:  # no statement ran yet: the record opens the branch
+            sql, branch.begin = f"{branch.begin}; {sql}", None
+        try:
+            tag = self._driver.run(branch.dbapi, sql, params)
+        except Exception as exc:
+            self._lost_last_commit(branch, exc, fence, fenced)
+        self._discard(branch, broken=False)
+        if tag != "COMMIT":  # the transaction had failed: the server rolled it back
+            raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
+
+    def _lost_last_commit(
+        self,
+        branch: Branch,
+        exc: Exception,
+        fence: Callable[[BaseException], bool],
+        fenced: str,
+    ) -> NoReturn:
+        """Say what a failed commit with a decision leaves: unknown, fenced, or rolled back."""
+        gtrid = branch.xid.gtrid
+        if _errors.is_unreachable(exc):
+            self._discard(branch, broken=True)
+            raise OutcomeUnknownError(
+                f"{self._name}: connection lost while committing with the decision of {gtrid}; "
+                f"recovery reads the decision: {_errors.describe(exc)}",
+                gtrid=gtrid,
+            ) from exc
+        self._end_local(branch)
+        if fence(exc):
+            raise FencedError(
+                f"{self._name}: {fenced.format(gtrid=gtrid)}; it rolls back", gtrid=gtrid
+            ) from exc
+        raise BranchFailed(
+            f"{self._name}: commit with the decision failed: {_errors.describe(exc)}"
+        ) from exc
+
+    def decisions_of(self, gtrids: Collection[str]) -> set[str]:
+        crash_point(f"postgres.{self._name}.before_decision_lookup")
+        wanted = sorted(gtrids)
+        if not wanted:
+            return set()
+        rows = self._pool.query(*self._decision_table().fence_and_read(wanted))
+        return {str(gtrid) for (gtrid,) in rows}
+
+    def committed_decisions(self, node_id: str) -> dict[str, tuple[str, ...]]:
+        rows = self._pool.query(*self._decision_table().committed(node_id))
+        return {str(gtrid): tuple(branches) for gtrid, branches in rows}
+
+    def end_decision(self, gtrid: str) -> None:
+        with self._lock:
+            self._ended.append(gtrid)
+
+    def drop_decisions(self, gtrids: Collection[str]) -> None:
+        with self._lock:
+            ended, self._ended = self._ended, []
+        gone = sorted({*ended, *gtrids})
+        if not gone:
+            return
+        try:
+            self._pool.run(*self._decision_table().drop(gone))
+        except Exception:
+            self._requeue(ended)
+            raise
+
+    def _requeue(self, ended: list[str]) -> None:
+        with self._lock:
+            self._ended[:0] = ended
+
+    def _decision_table(self) -> DecisionTable:
+        table = self._server_facts().decisions
+        if table is None:
+            raise ProgrammingError(f"{self._name} is not a last resource (last_resource=False)")
+        return table

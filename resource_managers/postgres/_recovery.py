@@ -1,0 +1,79 @@
+"""What `PostgresResource` tells recovery and an operator: its prepared branches, their
+outcome markers (read, forgotten, purged) and the prepared-transaction gauges."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from coordinator import TransientError, Xid
+from coordinator.xid import branches_of
+
+from ._base import PostgresBase
+
+
+class RecoveryOps(PostgresBase):
+    """`PostgresResource`'s recovery, markers and gauges."""
+
+    # -- recovery ----------------------------------------------------------------------------------
+
+    def recover(self) -> list[Xid]:
+        """Our prepared branches (and sub-branches) in this database, owned by our role, of any
+        age."""
+        if self._held:
+            self._release_expired()
+        rows = self._pool.query(
+            "SELECT gid FROM pg_prepared_xacts "
+            "WHERE database = current_database() AND owner = current_user"
+        )
+        found = branches_of((str(gid) for (gid,) in rows), self._name, sub_branches=True)
+        self._purge_markers()
+        return found
+
+    def forget(self, xid: Xid) -> None:
+        facts = self._server_facts()
+        if facts.marker_table is not None:
+            self._pool.run(f"DELETE FROM {facts.marker_table} WHERE gid = %s", [xid.to_gid()])
+
+    def prepared_stats(self) -> tuple[int, float]:
+        """(count, age in seconds of the oldest) of this database's prepared transactions.
+
+        Every prepared transaction holds its locks and the VACUUM horizon, ours or not.
+        """
+        rows = self._pool.query(
+            "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(prepared)), 0) "
+            "FROM pg_prepared_xacts WHERE database = current_database()"
+        )
+        count, age = rows[0]
+        return int(count), float(age)
+
+    def gauges(self) -> dict[str, Callable[[], float]]:
+        """Read by the manager's metrics (`TransactionManager.register`)."""
+        return {
+            "prepared_transactions": lambda: self._gauge(0),
+            "oldest_prepared_age_seconds": lambda: self._gauge(1),
+        }
+
+    def _gauge(self, index: int) -> float:
+        """NaN while the server is unreachable: one down database must not break the export."""
+        try:
+            return float(self.prepared_stats()[index])
+        except TransientError:
+            return math.nan
+
+    def _purge_markers(self) -> None:
+        """Markers and abort fences past ``marker_retention``, once a minute at most."""
+        facts = self._server_facts()
+        now = time.monotonic()
+        if now - self._last_purge < 60:
+            return
+        self._last_purge = now
+        if facts.marker_table is not None:
+            self._pool.run(
+                f"DELETE FROM {facts.marker_table} "
+                "WHERE committed_at < now() - make_interval(secs => %s)",
+                [self._marker_retention],
+            )
+        if facts.decisions is not None:
+            self._pool.run(*facts.decisions.purge_fences(self._marker_retention))
