@@ -132,8 +132,11 @@ def test_a_copy_of_a_log_directory_is_fenced_whichever_connects_first(
     produce(original, "orders", [b"o-1"])
     original.close()
     shutil.copytree(tmp_path / "orig", tmp_path / "copy")
-    older = MessageLog(tmp_path / "orig")
-    newer = MessageLog(tmp_path / "copy")
+    first = MessageLog(tmp_path / "orig")
+    second = MessageLog(tmp_path / "copy")
+    # the higher incarnation wins: normally the later open, but two opens in one millisecond
+    # are ordered by the incarnation's random low bits; they always differ
+    older, newer = sorted((first, second), key=lambda m: m.incarnation)
     try:
         assert older.identity == newer.identity and older.incarnation < newer.incarnation
 
