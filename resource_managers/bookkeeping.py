@@ -10,10 +10,12 @@ handle the application still holds is refused rather than lost.
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Callable
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from coordinator.errors import IllegalStateError, InvalidXidError
+from coordinator.errors import IllegalStateError, InvalidXidError, TransientError
 from coordinator.xid import Xid, is_sub_branch_of, validate_resource_name
 
 
@@ -81,3 +83,26 @@ class Branches(Generic[B]):
         """``xid`` has a branch in its work phase here (started, not prepared or ended)."""
         with self._lock:
             return xid in self._branches
+
+
+class PreparedGauges:
+    """The two gauges a store with prepared branches on a server exports (PostgreSQL's
+    `pg_prepared_xacts`, the Redis branch's prepared set): their count and the oldest one's age,
+    read through ``prepared_stats``; NaN while the server is unreachable, so one store that is
+    down does not break the manager's export."""
+
+    def prepared_stats(self) -> tuple[int, float]:
+        raise NotImplementedError
+
+    def gauges(self) -> dict[str, Callable[[], float]]:
+        """Read by the manager's metrics (`TransactionManager.register`)."""
+        return {
+            "prepared_transactions": lambda: self._gauge(0),
+            "oldest_prepared_age_seconds": lambda: self._gauge(1),
+        }
+
+    def _gauge(self, index: int) -> float:
+        try:
+            return float(self.prepared_stats()[index])
+        except TransientError:
+            return math.nan

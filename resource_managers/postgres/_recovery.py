@@ -3,17 +3,16 @@ outcome markers (read, forgotten, purged) and the prepared-transaction gauges.""
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable
 
-from coordinator import TransientError, Xid
+from coordinator import Xid
 from coordinator.xid import branches_of
+from resource_managers.bookkeeping import PreparedGauges
 
 from ._base import PostgresBase
 
 
-class RecoveryOps(PostgresBase):
+class RecoveryOps(PostgresBase, PreparedGauges):
     """`PostgresResource`'s recovery, markers and gauges."""
 
     # -- recovery ----------------------------------------------------------------------------------
@@ -47,20 +46,6 @@ class RecoveryOps(PostgresBase):
         )
         count, age = rows[0]
         return int(count), float(age)
-
-    def gauges(self) -> dict[str, Callable[[], float]]:
-        """Read by the manager's metrics (`TransactionManager.register`)."""
-        return {
-            "prepared_transactions": lambda: self._gauge(0),
-            "oldest_prepared_age_seconds": lambda: self._gauge(1),
-        }
-
-    def _gauge(self, index: int) -> float:
-        """NaN while the server is unreachable: one down database must not break the export."""
-        try:
-            return float(self.prepared_stats()[index])
-        except TransientError:
-            return math.nan
 
     def _purge_markers(self) -> None:
         """Markers and abort fences past ``marker_retention``, once a minute at most."""

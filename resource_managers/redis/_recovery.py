@@ -3,18 +3,16 @@ sorted set), forgetting a completed one, and the prepared-branch gauges."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 from redis.client import NEVER_DECODE
 
-from coordinator import TransientError, Xid
+from coordinator import Xid
 from coordinator.xid import branches_of
+from resource_managers.bookkeeping import PreparedGauges
 
 from ._base import RedisBase
 
 
-class RecoveryOps(RedisBase):
+class RecoveryOps(RedisBase, PreparedGauges):
     """`RedisResource`'s recovery and gauges."""
 
     # -- recovery ----------------------------------------------------------------------------------
@@ -43,16 +41,3 @@ class RecoveryOps(RedisBase):
             seconds, micros = self.client.time()
         now_ms = seconds * 1000 + micros / 1000
         return count, max(0.0, (now_ms - float(oldest[0][1])) / 1000) if oldest else 0.0
-
-    def gauges(self) -> dict[str, Callable[[], float]]:
-        """Read by the manager's metrics; NaN while Redis is unreachable."""
-        return {
-            "prepared_transactions": lambda: self._gauge(0),
-            "oldest_prepared_age_seconds": lambda: self._gauge(1),
-        }
-
-    def _gauge(self, index: int) -> float:
-        try:
-            return float(self.prepared_stats()[index])
-        except TransientError:
-            return math.nan
