@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from coordinator.errors import IllegalStateError, InvalidXidError, TransientError
 from coordinator.xid import Xid, is_sub_branch_of, validate_resource_name
@@ -106,3 +106,22 @@ class PreparedGauges:
             return float(self.prepared_stats()[index])
         except TransientError:
             return math.nan
+
+
+class _JournalState(Protocol):
+    committed: set[str]
+    tombstones: dict[str, int]
+
+    def live_records(self, now_ms: int, tombstone_ms: int) -> list[dict[str, Any]]: ...
+
+
+def carried_records(state: _JournalState, now_ms: int, tombstone_ms: int) -> list[dict[str, Any]]:
+    """What a compaction of the message log's or the cursor's journal carries into the new
+    segment (`coordinator.journal.Compaction`), by one rule for both: every live record, and the
+    rollbacks' tombstones younger than ``tombstone_ms``; the gids of commits are forgotten (a
+    commit of one is a repeat only while its record is in the journal). Call it holding the
+    store's lock: it updates ``state`` to match what is carried."""
+    carry = state.live_records(now_ms, tombstone_ms)
+    state.committed.clear()
+    state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
+    return carry

@@ -13,6 +13,7 @@ from typing import Any
 
 from coordinator.errors import LogWriteError
 from coordinator.journal import Compaction, Gate, Journal, LazyWatch, Ticket
+from resource_managers.bookkeeping import carried_records
 from resource_managers.sequencing import StreamFilter
 
 from ._records import encode
@@ -107,7 +108,5 @@ class CursorBase:
     def _carry(self) -> list[bytes]:
         """Every live record, for `Compaction`; tombstones past their time are left behind."""
         with self._lock:
-            carry = self._state.live_records(self._clock(), self._tombstone_ms)
-            self._state.committed.clear()
-            self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
+            carry = carried_records(self._state, self._clock(), self._tombstone_ms)
         return [encode(r) for r in carry]

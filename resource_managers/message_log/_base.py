@@ -12,6 +12,7 @@ from typing import Any
 
 from coordinator.errors import LogWriteError, TransactionRolledBack, TransientError
 from coordinator.journal import Compaction, Gate, Journal, LazyWatch
+from resource_managers.bookkeeping import carried_records
 
 from ._records import Message, decode, encode
 from ._state import LogState
@@ -120,7 +121,5 @@ class LogBase:
     def _carry(self) -> list[bytes]:
         """Every live record, for `Compaction`; tombstones past their time are left behind."""
         with self._lock:
-            carry = self._state.live_records(self._clock(), self._tombstone_ms)
-            self._state.committed.clear()
-            self._state.tombstones = {r["g"]: r["t"] for r in carry if r["k"] == "R"}
+            carry = carried_records(self._state, self._clock(), self._tombstone_ms)
         return [encode(r) for r in carry]
