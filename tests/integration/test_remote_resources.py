@@ -51,6 +51,7 @@ from resource_managers.message_log import (
 from resource_managers.postgres import PostgresResource
 from resource_managers.sequencing import Frame
 from tests.support.managers import make_manager
+from tests.support.no_voter import NoVoter
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
 
 SECRET = SharedSecret(b"remote-resources-test-secret-0123")
@@ -127,30 +128,6 @@ def available(c: Cursor, queue: str = "orders") -> list[tuple[bytes, int]]:
     return [(d.body, d.delivery_count) for d in c.available(queue)]
 
 
-class NoVoter:
-    """A participant that votes no, sorted after the others: the remote branch prepares first."""
-
-    name = sort_key = "zz-no"
-
-    def start(self, xid: Xid) -> None:
-        return None
-
-    def prepare(self, xid: Xid) -> Vote:
-        raise TransientError("no")
-
-    def commit(self, xid: Xid, one_phase: bool = False) -> None:
-        return None
-
-    def rollback(self, xid: Xid) -> None:
-        return None
-
-    def recover(self) -> list[Xid]:
-        return []
-
-    def forget(self, xid: Xid) -> None:
-        return None
-
-
 # -- the producer ------------------------------------------------------------------------------
 
 
@@ -186,7 +163,7 @@ def test_send_rolls_back_with_postgres(
     managers: list[TransactionManager],
 ) -> None:
     db = PostgresResource(engine, "db")
-    no = NoVoter()
+    no = NoVoter(TransientError("no"))
     tm = make_manager(managers, [db, remote_log, no])
     with pytest.raises(RuntimeError), tm.transaction() as tx:  # before prepare: never shipped
         move(tx.join(db), "t1", 1, 10)

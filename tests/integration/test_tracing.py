@@ -19,13 +19,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode, get_current_span
 
-from coordinator import FileDecisionLog, TransactionManager, TransactionRolledBack, Vote, Xid
+from coordinator import FileDecisionLog, TransactionManager, TransactionRolledBack
 from coordinator.tracing import TRACE_HEADER
 from messaging import tracing
 from messaging.auth import SharedSecret
 from messaging.consumer import consume_once
 from messaging.server import CursorServer, LogServer
 from resource_managers.postgres import PostgresResource
+from tests.support.no_voter import NoVoter
 
 SECRET = SharedSecret(b"tracing-test-secret-0123456789abcdef")
 
@@ -115,33 +116,11 @@ def test_one_trace_from_the_producer_to_the_consumer(
         )
 
 
-class Refuses:
-    name = sort_key = "zz-refuses"
-
-    def start(self, xid: Xid) -> None:
-        return None
-
-    def prepare(self, xid: Xid) -> Vote:
-        raise RuntimeError("disk full")
-
-    def commit(self, xid: Xid, one_phase: bool = False) -> None:
-        return None
-
-    def rollback(self, xid: Xid) -> None:
-        return None
-
-    def recover(self) -> list[Xid]:
-        return []
-
-    def forget(self, xid: Xid) -> None:
-        return None
-
-
 def test_a_refusing_branch_is_an_error_span(
     tmp_path: Path, engine: sa.Engine, spans: InMemorySpanExporter
 ) -> None:
     db = PostgresResource(engine, "db")
-    refuses = Refuses()
+    refuses = NoVoter(RuntimeError("disk full"), "zz-refuses")
     log = FileDecisionLog(tmp_path / "tx")
     with (
         TransactionManager("node", log, [db, refuses]) as tm,  # type: ignore[list-item]
