@@ -54,7 +54,11 @@ install_engine() {
 
 start_engine() {
     $check && cannot "no engine answers (--check starts nothing; run tools/ensure-docker.sh)"
-    if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null; then
+    local pid
+    pid=$(cat /var/run/docker.pid 2>/dev/null || true)
+    if [[ -n $pid && -d /proc/$pid ]]; then
+        echo "ensure-docker: dockerd (pid $pid) is running; waiting for it to answer" >&2
+    elif [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null; then
         echo "ensure-docker: starting docker.service" >&2
         as_root systemctl start docker.service
     else
@@ -205,7 +209,7 @@ if ! engine_answers; then
     [[ ${DOCKER_HOST:-unix:///var/run/docker.sock} == unix:///var/run/docker.sock ]] ||
         fail "DOCKER_HOST=$DOCKER_HOST does not answer: $(docker info 2>&1 | tail -n 1)"
     command -v dockerd >/dev/null || install_engine
-    start_engine
+    engine_answers || start_engine # the package's own scripts may have started it
 fi
 
 pgdir=$(compgen -G "/usr/lib/postgresql/*/bin/postgres" | sort -V | tail -n 1 | xargs -r dirname | xargs -r dirname)
