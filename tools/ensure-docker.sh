@@ -205,6 +205,8 @@ EOF
 # -- main -----------------------------------------------------------------------------------------
 
 if ! engine_answers; then
+    said=$(docker info 2>&1 | tail -n 1 || true)
+    [[ $said != *"permission denied"* ]] || fail "an engine runs, but not for $(id -un): $said"
     # an engine named elsewhere is someone else's to start
     [[ ${DOCKER_HOST:-unix:///var/run/docker.sock} == unix:///var/run/docker.sock ]] ||
         fail "DOCKER_HOST=$DOCKER_HOST does not answer: $(docker info 2>&1 | tail -n 1)"
