@@ -5,7 +5,10 @@ Where they come from, first match wins:
    PostgreSQL role must be able to create databases. Tests that kill a server skip on these.
 2. Local binaries (PATH or /usr/lib/postgresql/*/bin): throwaway servers from
    `resource_managers.throwaway`, killable with ``kill -9`` and restartable on the same data.
-3. Docker through testcontainers, when the binaries are missing and a Docker engine answers.
+3. Docker through testcontainers, when the binaries are missing (or ``TWOPC_TEST_SERVERS=docker``
+   asks for it) and a Docker engine answers. Images: ``TWOPC_TEST_POSTGRES_IMAGE`` /
+   ``TWOPC_TEST_REDIS_IMAGE``, the official ``postgres:15`` / ``redis:7`` by default;
+   tools/ensure-docker.sh builds local stand-ins (``twopc-local/...``) where no registry answers.
 4. Nothing: the test skips and says what to install; under ``CI=true`` it fails instead, so a CI
    machine without servers cannot pass by skipping.
 
@@ -41,6 +44,10 @@ from resource_managers.throwaway import (
 
 PG_URL_ENV = "TWOPC_TEST_POSTGRES_URL"
 REDIS_URL_ENV = "TWOPC_TEST_REDIS_URL"
+PG_IMAGE_ENV = "TWOPC_TEST_POSTGRES_IMAGE"
+REDIS_IMAGE_ENV = "TWOPC_TEST_REDIS_IMAGE"
+SERVERS_ENV = "TWOPC_TEST_SERVERS"  # "docker": containers even where local binaries exist
+LOCAL_IMAGE_PREFIX = "twopc-local/"  # tools/ensure-docker.sh's images, built without a registry
 
 
 def missing(what: str) -> None:
@@ -51,7 +58,7 @@ def missing(what: str) -> None:
     pytest.skip(message)
 
 
-def _docker_works() -> bool:
+def docker_works() -> bool:
     try:
         import docker  # testcontainers' client
 
@@ -59,6 +66,24 @@ def _docker_works() -> bool:
         return True
     except Exception:
         return False
+
+
+def _docker_forced() -> bool:
+    return os.environ.get(SERVERS_ENV, "").lower() == "docker"
+
+
+def _image(env: str, default: str) -> str:
+    """The image to start; a local one means no registry, so no reaper (pulled from Docker Hub).
+
+    Without the reaper a ``kill -9`` of pytest leaves the container behind; every normal end,
+    failures included, removes it (`_Servers.stop_all`, or the test that started it).
+    """
+    image = os.environ.get(env) or default
+    if image.startswith(LOCAL_IMAGE_PREFIX) and "TESTCONTAINERS_RYUK_DISABLED" not in os.environ:
+        from testcontainers.core.config import testcontainers_config
+
+        testcontainers_config.ryuk_disabled = True
+    return image
 
 
 # -- PostgreSQL ---------------------------------------------------------------------------------
@@ -115,14 +140,23 @@ class LocalPostgres(PostgresServer):
     killable = True
 
 
-def _container_postgres() -> Any:
+def start_postgres_container() -> Any:
     """A PostgreSQL container with prepared transactions on; wrapped like an external server."""
     from testcontainers.postgres import PostgresContainer
 
-    container = PostgresContainer("postgres:15", driver="psycopg2")
+    container = PostgresContainer(_image(PG_IMAGE_ENV, "postgres:15"), driver="psycopg2")
     container.with_command("postgres -c max_prepared_transactions=64 -c fsync=on")
-    container.start()
-    return container
+    return _started(container)
+
+
+def _started(container: Any) -> Any:
+    """Starts ``container``; one that never became ready is removed, not left behind."""
+    try:
+        return container.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            container.stop()
+        raise
 
 
 class _Servers:
@@ -173,13 +207,13 @@ def pg_server(_servers: _Servers) -> PgCluster:
     url = os.environ.get(PG_URL_ENV)
     if url:
         return ExternalPostgres(url)
-    if find_postgres_bin() is not None:
+    if find_postgres_bin() is not None and not _docker_forced():
         return _start_shared(_servers, LocalPostgres())
-    if _docker_works():
-        container = _container_postgres()
+    if docker_works():
+        container = start_postgres_container()
         _servers.containers.append(container)
         return ExternalPostgres(container.get_connection_url())
-    missing("PostgreSQL")
+    missing(f"PostgreSQL{' in Docker' if _docker_forced() else ''}")
     raise AssertionError("unreachable")
 
 
@@ -252,20 +286,29 @@ def redis_server(_servers: _Servers) -> LocalRedis | ExternalRedis:
     url = os.environ.get(REDIS_URL_ENV)
     if url:
         return ExternalRedis(url)
-    if find_redis_server() is not None:
+    if find_redis_server() is not None and not _docker_forced():
         return _start_shared(_servers, LocalRedis())
-    if _docker_works():
-        from testcontainers.redis import RedisContainer
-
-        container = RedisContainer("redis:7").with_command(
-            "redis-server --appendonly yes --appendfsync always --maxmemory-policy noeviction"
-        )
-        container.start()
+    if docker_works():
+        container = start_redis_container()
         _servers.containers.append(container)
-        host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
-        return ExternalRedis(f"redis://{host}:{port}/0")
-    missing("Redis")
+        return ExternalRedis(redis_container_url(container))
+    missing(f"Redis{' in Docker' if _docker_forced() else ''}")
     raise AssertionError("unreachable")
+
+
+def start_redis_container() -> Any:
+    """A Redis container with the shared server's durability (AOF, fsync always)."""
+    from testcontainers.redis import RedisContainer
+
+    container = RedisContainer(_image(REDIS_IMAGE_ENV, "redis:7")).with_command(
+        "redis-server --appendonly yes --appendfsync always --maxmemory-policy noeviction"
+    )
+    return _started(container)
+
+
+def redis_container_url(container: Any) -> str:
+    host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
+    return f"redis://{host}:{port}/0"
 
 
 @pytest.fixture
