@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from coordinator import FileDecisionLog, ProgrammingError, TransactionRolledBack, crashpoints
+from coordinator import FileDecisionLog, ProgrammingError, TransactionRolledBack, Xid, crashpoints
 from coordinator.aio import AsyncTransactionManager
 from resource_managers.postgres.aio import AsyncPostgresResource
 from resource_managers.redis import UnsupportedCommandError
@@ -253,3 +253,79 @@ def test_cancelled_mid_commit_still_reaches_its_outcome(
     assert balances(schema)[1] == OPENING - 7
     assert redis.Redis.from_url(redis_url).get("balance:1") == b"7"
     assert prepared(schema) == []
+
+
+def test_cancelled_during_its_work_rolls_back(
+    stores_factory: Callable[[], Any], schema: str, redis_url: str
+) -> None:
+    """A cancellation while a statement runs is an exception like any other: the block rolls
+    back (the interrupted connection is dropped, not reused) and the next transaction works."""
+
+    async def main() -> None:
+        async with stores_factory() as s:
+
+            async def slow() -> None:
+                async with s.atm.atransaction() as tx:
+                    await (await tx.join(s.cache)).incr("balance:1", 3)
+                    session = await tx.join(s.pg)
+                    await move(session, 1, -3)
+                    await session.execute(text("SELECT pg_sleep(5)"))
+
+            task = asyncio.create_task(slow())
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            async with s.atm.atransaction() as tx:
+                await move(await tx.join(s.pg), 2, -1)
+                await (await tx.join(s.cache)).incr("balance:2", 1)
+
+    run(main())
+    assert balances(schema)[1] == OPENING and balances(schema)[2] == OPENING - 1
+    client = redis.Redis.from_url(redis_url)
+    assert client.get("balance:1") is None and client.get("balance:2") == b"1"
+    assert prepared(schema) == []
+
+
+def test_verbs_on_the_loop_thread_are_refused(stores_factory: Callable[[], Any]) -> None:
+    """A synchronous verb called on the loop's own thread would wait for the loop forever: it is
+    refused with a message that names the async API."""
+
+    async def main() -> None:
+        async with stores_factory() as s:
+            with pytest.raises(TransactionRolledBack):
+                async with s.atm.atransaction() as tx:
+                    await move(await tx.join(s.pg), 1, -1)
+                    with pytest.raises(ProgrammingError, match="where it would wait for itself"):
+                        s.pg.prepare(Xid.branch_of(tx.gtrid, "pg"))
+                    tx.set_rollback_only()
+
+    run(main())
+
+
+def test_redis_commands_read_their_writes(
+    stores_factory: Callable[[], Any], redis_url: str
+) -> None:
+    async def main() -> None:
+        async with stores_factory() as s, s.atm.atransaction() as tx:
+            b = await tx.join(s.cache)
+            assert await b.hset("h", mapping={"f": "1", "g": "2"}) == 2
+            await b.hdel("h", "g")
+            assert await b.hgetall("h") == {b"f": b"1"}
+            assert await b.hmget("h", ["f", "g"]) == [b"1", None]
+            assert await b.sadd("s", "x", "y") == 2
+            await b.srem("s", "y")
+            assert await b.smembers("s") == {b"x"}
+            await b.rpush("l", "a", "b")
+            await b.lpush("l", "z")
+            assert await b.lrange("l", 0, -1) == [b"z", b"a", b"b"]
+            await b.setex("t", 100, "v")
+            assert await b.ttl("t") == 100
+            assert await b.exists("t", "h", "nope") == 2
+            await b.mset({"m1": "1", "m2": "2"})
+            assert await b.decr("m1") == 0
+
+    run(main())
+    client = redis.Redis.from_url(redis_url)
+    assert client.hgetall("h") == {b"f": b"1"} and client.lrange("l", 0, -1) == [b"z", b"a", b"b"]
+    assert 0 < client.ttl("t") <= 100 and client.get("m1") == b"0"
