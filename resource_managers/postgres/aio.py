@@ -79,6 +79,8 @@ class _Branch:
     gid: str
     loop: asyncio.AbstractEventLoop
     connection: AsyncConnection
+    #: psycopg's `AsyncConnection` inside it, for our own statements
+    dbapi: Any = None
     session: AsyncSession | None = None
     #: why the branch must vote no, found while the application worked
     failure: str | None = None
@@ -182,6 +184,7 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
             await connection.begin()
             assert connection.sync_connection is not None  # connected just now
             _watch(connection.sync_connection, branch)
+            branch.dbapi = (await connection.get_raw_connection()).driver_connection
             if self._handle == "session":
                 branch.session = self._session_factory(connection)
         except BaseException:
@@ -262,13 +265,13 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
     async def _flushed(self, branch: _Branch) -> Any | None:
         """Flush the session and check the transaction: the driver's connection when there is
         work to end, None (branch ended) when no statement ran. A failed branch raises."""
-        if branch.session is not None and branch.failure is None:
+        session = branch.session
+        if session is not None and branch.failure is None and _pending(session):
             try:
-                await branch.session.flush()
+                await session.flush()
             except Exception as exc:
                 branch.failure = f"flush failed: {_errors.describe(exc)}"
-        raw = await branch.connection.get_raw_connection()
-        dbapi: Any = raw.driver_connection
+        dbapi = branch.dbapi
         status = int(dbapi.info.transaction_status)
         if branch.failure is None and status == INERROR:
             branch.failure = "a statement failed earlier"
@@ -348,8 +351,7 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
         return True
 
     async def _finish_prepared(self, branch: _Branch, verb: str) -> None:
-        raw = await branch.connection.get_raw_connection()
-        dbapi: Any = raw.driver_connection
+        dbapi = branch.dbapi
         try:
             await dbapi.set_autocommit(True)  # no round trip; PREPARE left the session idle
             await _run(dbapi, f"{verb} %s", [branch.gid])
@@ -398,6 +400,12 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
             await branch.connection.close()
         except Exception as exc:
             log.debug("closing the connection of %s: %r", branch.gid, exc)
+
+
+def _pending(session: AsyncSession) -> bool:
+    """Anything for ``flush`` to send? (A flush with nothing to do still costs a trip through
+    SQLAlchemy's greenlet bridge.)"""
+    return bool(session.new or session.dirty or session.deleted)
 
 
 def _default_session(connection: AsyncConnection) -> AsyncSession:
