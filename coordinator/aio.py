@@ -53,6 +53,8 @@ from .xid import Xid, validate_resource_name
 
 log = logging.getLogger("twopc.aio")
 
+__all__ = ["AsyncResource", "AsyncTransaction", "AsyncTransactionManager", "on_loop"]
+
 T = TypeVar("T")
 H = TypeVar("H")
 H_co = TypeVar("H_co", covariant=True)

@@ -125,7 +125,8 @@ async def run(pg_url: str, redis_url: str, log_dir: Path, args: argparse.Namespa
     finally:
         await atm.aclose()
         await engine.dispose()
-        await cache.sync.client.aclient.aclose()
+        await pg.aclose()
+        await cache.aclose()
     return tally
 
 

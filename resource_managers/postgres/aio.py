@@ -70,6 +70,8 @@ H = TypeVar("H")
 T = TypeVar("T")
 AsyncHandle = Literal["session", "connection"]
 
+__all__ = ["AsyncPostgresResource"]
+
 
 @dataclass(eq=False)
 class _Branch:
@@ -150,6 +152,7 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
         self.engine = engine
         #: the same resource over a synchronous engine: recovery and the branches without a
         #: connection of their own (module docstring)
+        self._own_sync_engine = sync_engine is None
         self.sync = PostgresResource(
             sync_engine if sync_engine is not None else create_engine(engine.url),
             name,
@@ -194,6 +197,12 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
             if xid in self._branches:
                 raise ProgrammingError(f"{self.name}: branch {xid} is already open")
             self._branches[xid] = branch
+
+    async def aclose(self) -> None:
+        """Dispose of the synchronous engine this resource made (not of ``engine``, which is
+        the caller's, nor of a ``sync_engine`` given)."""
+        if self._own_sync_engine:
+            await asyncio.to_thread(self.sync.engine.dispose)
 
     async def abandon_branch(self, xid: Xid) -> None:
         with self._lock:

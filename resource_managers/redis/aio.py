@@ -43,6 +43,8 @@ from .resource import RedisResource
 
 T = TypeVar("T")
 
+__all__ = ["ASYNC_SUPPORTED_COMMANDS", "AsyncRedisBranch", "AsyncRedisResource"]
+
 
 class _LoopClient:
     """The slice of a synchronous redis-py client `RedisResource` uses, answered by the async
@@ -149,7 +151,13 @@ class AsyncRedisResource(SyncTwin):
                 "make one AsyncRedisResource per loop"
             )
         self._client.loop = loop
-        await asyncio.to_thread(self.sync._check_durability)
+        if not self.sync._durability_checked:
+            await asyncio.to_thread(self.sync._check_durability)
+
+    async def aclose(self) -> None:
+        """Close both clients (on the loop the async one works on)."""
+        await self._client.aclient.aclose()
+        self._client.sync_client.close()
 
     async def abandon_branch(self, xid: Xid) -> None:
         with self.sync._lock:

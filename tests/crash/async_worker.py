@@ -80,6 +80,8 @@ async def transfers(args: argparse.Namespace) -> None:
     say("DONE")
     await atm.aclose()
     await pg.engine.dispose()
+    await pg.aclose()
+    await cache.aclose()
 
 
 def recover(args: argparse.Namespace) -> None:

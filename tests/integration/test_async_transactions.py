@@ -71,7 +71,8 @@ def stores_factory(
             yield Stores(atm, pg, cache)
         finally:
             await engine.dispose()
-            await cache._client.aclient.aclose()
+            await pg.aclose()
+            await cache.aclose()
 
     return open_stores
 
