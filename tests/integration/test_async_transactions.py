@@ -19,11 +19,12 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from coordinator import FileDecisionLog, ProgrammingError, TransactionRolledBack, Xid, crashpoints
+from coordinator import FileDecisionLog, ProgrammingError, TransactionRolledBack, Xid
 from coordinator.aio import AsyncTransactionManager
 from resource_managers.postgres.aio import AsyncPostgresResource
 from resource_managers.redis import UnsupportedCommandError
 from resource_managers.redis.aio import AsyncRedisResource
+from tests.support.hold_at import held_at
 from tests.support.managers import make_manager
 
 pytestmark = pytest.mark.timeout(120)
@@ -222,14 +223,8 @@ def test_cancelled_mid_commit_still_reaches_its_outcome(
 ) -> None:
     """The task is cancelled while its commit waits right after the decision is forced: the
     commit runs on to COMMITTED on both stores, and then the task sees its cancellation."""
-    decided, go_on = threading.Event(), threading.Event()
 
-    def hold(point: str) -> None:
-        if point == "tm.after_decision_fsync":
-            decided.set()
-            go_on.wait(10)
-
-    async def main() -> None:
+    async def main(decided: threading.Event, go_on: threading.Event) -> None:
         async with stores_factory() as s:
 
             async def transfer() -> None:
@@ -246,11 +241,8 @@ def test_cancelled_mid_commit_still_reaches_its_outcome(
             with pytest.raises(asyncio.CancelledError):
                 await task
 
-    crashpoints.observe(hold)
-    try:
-        run(main())
-    finally:
-        crashpoints._observers.remove(hold)
+    with held_at("tm.after_decision_fsync") as (decided, go_on):
+        run(main(decided, go_on))
     assert balances(schema)[1] == OPENING - 7
     assert redis.Redis.from_url(redis_url).get("balance:1") == b"7"
     assert prepared(schema) == []

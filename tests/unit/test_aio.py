@@ -23,6 +23,7 @@ from coordinator import (
 )
 from coordinator.aio import AsyncResource, AsyncTransactionManager, on_loop
 from tests.support.file_resource import FileResource
+from tests.support.hold_at import held_at
 from tests.support.managers import make_manager
 from tests.support.no_voter import NoVoter
 
@@ -131,14 +132,8 @@ def test_exception_and_no_vote_roll_back(tmp_path: Path, managers: list[Any]) ->
 def test_cancelled_mid_commit_reaches_its_outcome(tmp_path: Path, managers: list[Any]) -> None:
     ledger, other = FileResource("a", tmp_path / "a"), FileResource("b", tmp_path / "b")
     atm = atm_over(managers, tmp_path, ledger, other)
-    decided, go_on = threading.Event(), threading.Event()
 
-    def hold(point: str) -> None:
-        if point == "tm.after_decision_fsync":
-            decided.set()
-            go_on.wait(10)
-
-    async def main() -> None:
+    async def main(decided: threading.Event, go_on: threading.Event) -> None:
         async def transfer() -> None:
             async with atm.atransaction() as tx:
                 (await tx.join(ledger)).add("n", -3)
@@ -155,11 +150,8 @@ def test_cancelled_mid_commit_reaches_its_outcome(tmp_path: Path, managers: list
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    crashpoints.observe(hold)
-    try:
-        asyncio.run(main())
-    finally:
-        crashpoints._observers.remove(hold)
+    with held_at("tm.after_decision_fsync") as (decided, go_on):
+        asyncio.run(main(decided, go_on))
     assert ledger.snapshot()["n"] == -3 and other.snapshot()["n"] == 3
 
 
