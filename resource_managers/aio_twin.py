@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from coordinator import Xid
+from coordinator import ProgrammingError, Xid
 
 
 class _Twin(Protocol):
@@ -52,3 +52,12 @@ class SyncTwin:
 
     def gauges(self) -> dict[str, Callable[[], float]]:
         return self.sync.gauges()
+
+
+def not_opened(name: str, xid: Xid) -> ProgrammingError:
+    """``start`` of a branch ``open_branch`` never opened: the resource was joined through the
+    synchronous API, which cannot open its connection on a loop."""
+    return ProgrammingError(
+        f"{name}: an async resource joins through coordinator.aio (await tx.join(resource) in "
+        f"an AsyncTransactionManager transaction), not through Transaction.join ({xid})"
+    )

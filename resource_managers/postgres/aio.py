@@ -56,7 +56,7 @@ from coordinator import (
 )
 from coordinator.aio import on_loop
 from coordinator.crashpoints import crash_point
-from resource_managers.aio_twin import SyncTwin
+from resource_managers.aio_twin import SyncTwin, not_opened
 
 from . import _errors
 from ._base import BranchFailed, NotPreparable
@@ -211,7 +211,10 @@ class AsyncPostgresResource(SyncTwin, Generic[H]):
             await self._close(branch)
 
     def start(self, xid: Xid) -> H:
-        branch = self._branch(xid)
+        with self._lock:
+            branch = self._branches.get(xid)
+        if branch is None:
+            raise not_opened(self.name, xid)
         handle = branch.session if branch.session is not None else branch.connection
         return handle  # type: ignore[return-value]  # the kind ``handle=`` named, i.e. H
 

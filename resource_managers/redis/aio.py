@@ -35,7 +35,7 @@ import redis.asyncio
 
 from coordinator import Outcome, ProgrammingError, Vote, Xid
 from coordinator.aio import on_loop
-from resource_managers.aio_twin import SyncTwin
+from resource_managers.aio_twin import SyncTwin, not_opened
 
 from ._errors import UnsupportedCommandError
 from .branch import RedisBranch
@@ -126,6 +126,8 @@ class AsyncRedisResource(SyncTwin):
         self._client = _LoopClient(client, sync_client, io_timeout)
         #: the resource itself: every verb and all recovery are its
         self.sync = RedisResource(self._client, name, **options)
+        #: branches `open_branch` prepared for ``start`` (one join each)
+        self._opened: set[Xid] = set()
 
     @classmethod
     def from_url(cls, url: str, name: str = "redis", **options: Any) -> AsyncRedisResource:
@@ -153,6 +155,7 @@ class AsyncRedisResource(SyncTwin):
         self._client.loop = loop
         if not self.sync._durability_checked:
             await asyncio.to_thread(self.sync._check_durability)
+        self._opened.add(xid)
 
     async def aclose(self) -> None:
         """Close both clients (on the loop the async one works on)."""
@@ -160,10 +163,14 @@ class AsyncRedisResource(SyncTwin):
         self._client.sync_client.close()
 
     async def abandon_branch(self, xid: Xid) -> None:
+        self._opened.discard(xid)
         with self.sync._lock:
             self.sync._branches.pop(xid, None)
 
     def start(self, xid: Xid) -> AsyncRedisBranch:
+        if xid not in self._opened:
+            raise not_opened(self.name, xid)
+        self._opened.discard(xid)
         return AsyncRedisBranch(self.sync.start(xid))
 
     def prepare(self, xid: Xid) -> Vote:

@@ -322,3 +322,17 @@ def test_redis_commands_read_their_writes(
     client = redis.Redis.from_url(redis_url)
     assert client.hgetall("h") == {b"f": b"1"} and client.lrange("l", 0, -1) == [b"z", b"a", b"b"]
     assert 0 < client.ttl("t") <= 100 and client.get("m1") == b"0"
+
+
+def test_the_sync_api_cannot_join_an_async_resource(stores_factory: Callable[[], Any]) -> None:
+    async def main() -> None:
+        async with stores_factory() as s:
+            tx = s.atm.manager.begin()
+            try:
+                for resource in (s.pg, s.cache):
+                    with pytest.raises(ProgrammingError, match="an async resource joins through"):
+                        tx.join(resource)
+            finally:
+                tx.rollback()  # no branch joined: nothing to wait for on the loop
+
+    run(main())
