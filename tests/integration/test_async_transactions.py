@@ -336,3 +336,65 @@ def test_the_sync_api_cannot_join_an_async_resource(stores_factory: Callable[[],
                 tx.rollback()  # no branch joined: nothing to wait for on the loop
 
     run(main())
+
+
+def terminate(url: str, pid: int) -> None:
+    """End one backend from outside, as a network cut or an operator would."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+    engine.dispose()
+
+
+def test_a_lost_connection_before_prepare_votes_no(
+    stores_factory: Callable[[], Any], schema: str, redis_url: str
+) -> None:
+    sync_url = make_url(schema).set(drivername="postgresql+psycopg2").render_as_string(False)
+
+    async def main() -> None:
+        async with stores_factory() as s:
+            with pytest.raises(TransactionRolledBack):
+                async with s.atm.atransaction() as tx:
+                    await (await tx.join(s.cache)).incr("balance:1", 4)
+                    session = await tx.join(s.pg)
+                    await move(session, 1, -4)
+                    pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                    await asyncio.to_thread(terminate, sync_url, pid)
+
+    run(main())
+    assert balances(schema)[1] == OPENING
+    assert redis.Redis.from_url(redis_url).get("balance:1") is None
+    assert prepared(schema) == []
+
+
+def test_a_lost_connection_after_the_decision_commits_by_gid(
+    stores_factory: Callable[[], Any], schema: str, redis_url: str
+) -> None:
+    """The branch's own connection dies between its prepare and COMMIT PREPARED: phase two
+    falls back to the synchronous twin, which commits the prepared transaction by its gid."""
+    sync_url = make_url(schema).set(drivername="postgresql+psycopg2").render_as_string(False)
+
+    async def main(decided: threading.Event, go_on: threading.Event) -> None:
+        async with stores_factory() as s:
+
+            async def transfer() -> Any:
+                async with s.atm.atransaction() as tx:
+                    session = await tx.join(s.pg)
+                    await move(session, 1, -6)
+                    pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                    await (await tx.join(s.cache)).incr("balance:1", 6)
+                    pids.append(pid)
+                return tx.tx.outcome
+
+            task = asyncio.create_task(transfer())
+            await asyncio.to_thread(decided.wait, 10)
+            await asyncio.to_thread(terminate, sync_url, pids[0])
+            go_on.set()
+            assert (await task).value == "committed"
+
+    pids: list[int] = []
+    with held_at("tm.after_decision_fsync") as (decided, go_on):
+        run(main(decided, go_on))
+    assert balances(schema)[1] == OPENING - 6
+    assert redis.Redis.from_url(redis_url).get("balance:1") == b"6"
+    assert prepared(schema) == []
