@@ -144,11 +144,13 @@ def test_exception_rolls_back_both(
     assert redis.Redis.from_url(redis_url).get("balance:1") is None
 
 
+@pytest.mark.parametrize("failure", ["failed statement", "lost connection"])
 def test_a_no_vote_rolls_back_both(
-    stores_factory: Callable[[], Any], schema: str, redis_url: str
+    failure: str, stores_factory: Callable[[], Any], schema: str, redis_url: str
 ) -> None:
-    """PostgreSQL's branch failed a statement (the application caught the error): it votes no,
-    and the Redis branch, prepared first or not, is rolled back with it."""
+    """PostgreSQL's branch failed a statement (the application caught the error), or lost its
+    connection: it votes no, and the Redis branch, prepared first, is rolled back with it."""
+    sync_url = make_url(schema).set(drivername="postgresql+psycopg2").render_as_string(False)
 
     async def main() -> None:
         async with stores_factory() as s:
@@ -157,8 +159,12 @@ def test_a_no_vote_rolls_back_both(
                     await (await tx.join(s.cache)).incr("balance:1", 5)
                     session = await tx.join(s.pg)
                     await move(session, 1, -5)
-                    with pytest.raises(DBAPIError):
-                        await session.execute(text("INSERT INTO accounts VALUES (1, 0)"))
+                    if failure == "failed statement":
+                        with pytest.raises(DBAPIError):
+                            await session.execute(text("INSERT INTO accounts VALUES (1, 0)"))
+                    else:
+                        pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+                        await asyncio.to_thread(terminate, sync_url, pid)
 
     run(main())
     assert balances(schema)[1] == OPENING
@@ -344,27 +350,6 @@ def terminate(url: str, pid: int) -> None:
     with engine.connect() as conn:
         conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
     engine.dispose()
-
-
-def test_a_lost_connection_before_prepare_votes_no(
-    stores_factory: Callable[[], Any], schema: str, redis_url: str
-) -> None:
-    sync_url = make_url(schema).set(drivername="postgresql+psycopg2").render_as_string(False)
-
-    async def main() -> None:
-        async with stores_factory() as s:
-            with pytest.raises(TransactionRolledBack):
-                async with s.atm.atransaction() as tx:
-                    await (await tx.join(s.cache)).incr("balance:1", 4)
-                    session = await tx.join(s.pg)
-                    await move(session, 1, -4)
-                    pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
-                    await asyncio.to_thread(terminate, sync_url, pid)
-
-    run(main())
-    assert balances(schema)[1] == OPENING
-    assert redis.Redis.from_url(redis_url).get("balance:1") is None
-    assert prepared(schema) == []
 
 
 def test_a_lost_connection_after_the_decision_commits_by_gid(
