@@ -3,6 +3,7 @@ asyncio API (`coordinator.aio`), or a recovery pass with no event loop at all.
 
     python tests/crash/async_worker.py run     --pg URL --redis URL --log DIR --count N
     python tests/crash/async_worker.py recover --pg URL --redis URL --log DIR
+    python tests/crash/async_worker.py bank    --pg URL --redis URL --log DIR --tasks 8 --seed S
 
 ``run``: N transfers one after the other, each its own async transaction: one unit out of
 ``accounts`` row 1 in PostgreSQL (plus a ``transfers`` row keyed by the gtrid) and into the Redis
@@ -13,6 +14,12 @@ counter ``balance`` (plus the key ``t:<gtrid>``). Crashes come from ``TWOPC_CRAS
     ACK <gtrid> <outcome>    the commit returned
     DONE                     every transfer ran
 
+``bank``: recovery at start (as a restarted service), then ``--tasks`` tasks on one loop move
+random amounts between ``accounts`` row i and the Redis counter ``balance:<i>`` (either way),
+each recorded as a ``transfers`` row ``(gtrid, i, amount)`` and the key ``t:<gtrid>`` =
+``i:amount``, until killed (or ``--duration`` is up); a transfer whose branch voted no is tried
+again. Prints ``READY`` once running.
+
 ``recover``: a manager over the same resources, one ``recover(force=True)`` outside any loop (the
 async resources fall back to their synchronous twins) and ``RECOVERED <json>``.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coordinator import FileDecisionLog, TransactionManager
+from coordinator import FileDecisionLog, TransactionManager, TransactionRolledBack
 from coordinator.aio import AsyncTransactionManager
 from resource_managers.postgres.aio import AsyncPostgresResource
 from resource_managers.redis.aio import AsyncRedisResource
@@ -39,8 +47,9 @@ from resource_managers.redis.aio import AsyncRedisResource
 NODE_ID = "async-crash"
 SCHEMA = (
     "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)",
-    "CREATE TABLE transfers (id text PRIMARY KEY)",
+    "CREATE TABLE transfers (id text PRIMARY KEY, account int, amount int)",
 )
+ACCOUNTS = 5
 
 
 def say(*words: object) -> None:
@@ -71,12 +80,48 @@ async def transfers(args: argparse.Namespace) -> None:
         async with atm.atransaction() as tx:
             session = await tx.join(pg)
             await session.execute(text("UPDATE accounts SET balance = balance - 1 WHERE id = 1"))
-            await session.execute(text("INSERT INTO transfers VALUES (:id)"), {"id": tx.gtrid})
+            await session.execute(
+                text("INSERT INTO transfers VALUES (:id, 1, 1)"), {"id": tx.gtrid}
+            )
             branch = await tx.join(cache)
             await branch.incr("balance")
             await branch.set(f"t:{tx.gtrid}", "1")
             say("BEGIN", tx.gtrid)
         say("ACK", tx.gtrid, tx.tx.outcome.value if tx.tx.outcome else "?")
+    say("DONE")
+    await atm.aclose()
+    await pg.engine.dispose()
+    await pg.aclose()
+    await cache.aclose()
+
+
+async def bank(args: argparse.Namespace) -> None:
+    tm, pg, cache = open_manager(args, recover_on_start=True)
+    atm = AsyncTransactionManager(tm, max_workers=args.tasks)
+    stop = asyncio.get_running_loop().time() + args.duration
+
+    async def client(rng: random.Random) -> None:
+        while asyncio.get_running_loop().time() < stop:
+            account, amount = rng.randrange(ACCOUNTS), rng.randint(-20, 20)
+            try:
+                async with atm.atransaction() as tx:
+                    session = await tx.join(pg)
+                    await session.execute(
+                        text("UPDATE accounts SET balance = balance - :a WHERE id = :i"),
+                        {"a": amount, "i": account},
+                    )
+                    await session.execute(
+                        text("INSERT INTO transfers VALUES (:g, :i, :a)"),
+                        {"g": tx.gtrid, "i": account, "a": amount},
+                    )
+                    branch = await tx.join(cache)
+                    await branch.incrby(f"balance:{account}", amount)
+                    await branch.set(f"t:{tx.gtrid}", f"{account}:{amount}")
+            except TransactionRolledBack:
+                continue  # a watched balance changed, or a lock was held: next transfer
+
+    say("READY")
+    await asyncio.gather(*(client(random.Random(f"{args.seed}-{n}")) for n in range(args.tasks)))
     say("DONE")
     await atm.aclose()
     await pg.engine.dispose()
@@ -100,14 +145,19 @@ def recover(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("run", "recover"))
+    parser.add_argument("command", choices=("run", "recover", "bank"))
     parser.add_argument("--pg", required=True, help="postgresql+psycopg URL")
     parser.add_argument("--redis", required=True)
     parser.add_argument("--log", required=True, help="decision log directory")
     parser.add_argument("--count", type=int, default=2)
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--seed", default="0")
+    parser.add_argument("--duration", type=float, default=60.0)
     args = parser.parse_args(argv)
     if args.command == "run":
         asyncio.run(transfers(args))
+    elif args.command == "bank":
+        asyncio.run(bank(args))
     else:
         recover(args)
     return 0

@@ -11,14 +11,22 @@ the crash left. Checked on both stores:
 - the money is conserved across the two stores.
 
 Branches prepare and commit in name order: ``cache`` (Redis) first, then ``pg``.
+
+Then the bank: eight tasks on one loop move money both ways between PostgreSQL accounts and Redis
+balances until a SIGKILL at a random moment, three times over (each restart recovers first), and
+one last recovery; every transfer must be on both sides or neither, each balance must be its
+opening plus exactly its transfers, and nothing may be left prepared, staged or pending.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +35,7 @@ import pytest
 import redis
 from sqlalchemy import create_engine, make_url, text
 
-from tests.crash.async_worker import SCHEMA
+from tests.crash.async_worker import ACCOUNTS, SCHEMA
 from tests.crash.test_crash_matrix import killed_at
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(120)]
@@ -66,6 +74,22 @@ def pg_query(url: str, sql: str) -> list[Any]:
         engine.dispose()
 
 
+def fresh_database(make: Callable[[], str], first: int, last: int) -> tuple[str, str]:
+    """A new database with the worker's schema and accounts ``first``..``last`` holding
+    `OPENING`: its URL for psycopg2 (checks) and for psycopg 3 (the worker's async engine)."""
+    sync_url = make()
+    engine = create_engine(sync_url)
+    with engine.begin() as conn:
+        for statement in SCHEMA:
+            conn.execute(text(statement))
+        conn.execute(
+            text("INSERT INTO accounts SELECT g, :o FROM generate_series(:f, :l) g"),
+            {"o": OPENING, "f": first, "l": last},
+        )
+    engine.dispose()
+    return sync_url, make_url(sync_url).set(drivername="postgresql+psycopg").render_as_string(False)
+
+
 @pytest.mark.parametrize(("point", "expect"), SCENARIOS, ids=[p for p, _ in SCENARIOS])
 def test_async_crash_then_recovery(
     point: str,
@@ -76,14 +100,7 @@ def test_async_crash_then_recovery(
     tmp_path: Path,
     crash_matrix: Any,
 ) -> None:
-    sync_url = make_pg_database()
-    engine = create_engine(sync_url)
-    with engine.begin() as conn:
-        for statement in SCHEMA:
-            conn.execute(text(statement))
-        conn.execute(text("INSERT INTO accounts VALUES (1, :o)"), {"o": OPENING})
-    engine.dispose()
-    url = make_url(sync_url).set(drivername="postgresql+psycopg").render_as_string(False)
+    sync_url, url = fresh_database(make_pg_database, 1, 1)
     common = ["--pg", url, "--redis", redis_url, "--log", str(tmp_path / "log")]
 
     run = worker("run", *common, "--count", "2", crash_at=f"{point}:2")
@@ -128,4 +145,60 @@ def test_async_crash_then_recovery(
         recovery_ms=None,
         verdict="ok" if not problems else "FAIL " + ",".join(p.split(":")[0] for p in problems),
     )
+    assert not problems, "\n".join(problems)
+
+
+def test_async_bank_under_random_kills(
+    make_pg_database: Callable[[], str], redis_url: str, tmp_path: Path
+) -> None:
+    sync_url, url = fresh_database(make_pg_database, 0, ACCOUNTS - 1)
+    client = redis.Redis.from_url(redis_url)
+    client.mset({f"balance:{i}": OPENING for i in range(ACCOUNTS)})
+    common = ["--pg", url, "--redis", redis_url, "--log", str(tmp_path / "log")]
+    rng = random.Random(18)
+    env = {k: v for k, v in os.environ.items() if k != "TWOPC_CRASH_AT"}
+    for round_ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "bank", *common, "--seed", f"r{round_}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "READY", proc.stderr
+            time.sleep(rng.uniform(1.0, 3.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+
+    recovery = worker("recover", *common)
+    assert recovery.returncode == 0, recovery.stderr
+    report = json.loads(recovery.stdout.split("RECOVERED ", 1)[1])
+    assert not report["failures"] and not report["heuristics"], report
+
+    rows = {str(g): (int(a), int(m)) for g, a, m in pg_query(sync_url, "SELECT * FROM transfers")}
+    pg_balances = dict(pg_query(sync_url, "SELECT id, balance FROM accounts"))
+    recorded = {
+        key.decode()[2:]: tuple(int(x) for x in client.get(key).decode().split(":"))
+        for key in client.scan_iter("t:*")
+    }
+    assert rows, "the bank moved no money before its first kill"
+    problems = []
+    if rows != recorded:
+        torn = sorted(set(rows) ^ set(recorded))[:5]
+        problems.append(f"atomicity: on one side only: {torn}")
+    for i in range(ACCOUNTS):
+        moved = sum(m for a, m in rows.values() if a == i)
+        if pg_balances[i] != OPENING - moved:
+            problems.append(f"exactly_once: PostgreSQL account {i} {pg_balances[i]}, moved {moved}")
+        in_redis = int(client.get(f"balance:{i}"))
+        if in_redis != OPENING + sum(m for a, m in recorded.values() if a == i):
+            problems.append(f"exactly_once: Redis balance {i} is {in_redis}")
+    prepared = pg_query(sync_url, "SELECT gid FROM pg_prepared_xacts")
+    staged = [k for k in client.keys("twopc:*") if b":lock:" in k or b":ws:" in k]
+    if prepared or staged or client.zcard("twopc:{twopc}:prepared") or report["pending_after"]:
+        problems.append(f"no_residue: {prepared} {staged} {report['pending_after']}")
     assert not problems, "\n".join(problems)
