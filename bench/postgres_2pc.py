@@ -28,6 +28,10 @@ up and then measured for ``--seconds``. Rows, and why each one is here:
   PREPARE. It is compared with ``1pc``.
 - ``file-core``, ``llr-core``, ``1phase-core``: the same with the lean handle, the branch's Core
   `Connection` (``pg.connection(tx)``) instead of a `Session`.
+- ``file-aio``: ``file``'s transaction through the asyncio API (`coordinator.aio`), on psycopg 3
+  `AsyncSession`s. Its "threads" are tasks on ONE event loop (many concurrent transactions on a
+  single thread); completions run on as many worker threads, so the log's fsync stays off the
+  loop.
 - ``bare-pg3``, ``llr-pg3``: ``bare`` and ``llr`` on psycopg 3 (``tpc_*`` for the bare row,
   ``postgresql+psycopg`` engines for twopc). Ratios stay against the psycopg2 ``bare``.
 
@@ -63,8 +67,10 @@ whole completion runs on the profiled thread) and prints where the time goes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import cProfile
+import functools
 import itertools
 import json
 import os
@@ -176,6 +182,8 @@ class Setup:
     client: Callable[[], Client]
     close: Callable[[], None]
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    #: a row that drives itself (the asyncio rows: tasks on one loop, not threads)
+    drive: Callable[[int, float, float], Measured] | None = None
 
     def finish(self) -> None:
         try:
@@ -369,6 +377,52 @@ def carried_setup(env: Env, threads: int) -> Setup:
     return setup
 
 
+def aio_setup(env: Env, threads: int) -> Setup:
+    """``file-core``'s transaction through `coordinator.aio`: ``threads`` tasks on one event
+    loop (not threads), each an `AsyncSession` per database on psycopg 3, the completions on
+    ``threads`` worker threads."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from coordinator.aio import AsyncTransactionManager
+    from resource_managers.postgres.aio import AsyncPostgresResource
+
+    def pair(url: str, name: str) -> tuple[Any, AsyncPostgresResource[AsyncSession], Engine]:
+        async_url = make_url(url).set(drivername="postgresql+psycopg")
+        engine = create_async_engine(async_url, pool_size=threads + 2)
+        sync_engine = env.engine(url, 1, "psycopg")
+        return engine, AsyncPostgresResource(engine, name, sync_engine=sync_engine), sync_engine
+
+    (ea, ra, sa_), (eb, rb, sb) = pair(env.url_a, "pg-a"), pair(env.url_b, "pg-b")
+    node = f"bench-{uuid.uuid4().hex[:8]}"
+    tm = TransactionManager(
+        node, file_log(env)(node), [ra, rb], recovery_interval=None, reaper_interval=None,
+        default_timeout=env.timeout,
+    )  # fmt: skip
+    atm = AsyncTransactionManager(tm, max_workers=threads)
+
+    async def one() -> None:
+        async with atm.atransaction() as tx:
+            await (await tx.join(ra)).execute(CORE_INSERT, {"payload": PAYLOAD})
+            await (await tx.join(rb)).execute(CORE_INSERT, {"payload": PAYLOAD})
+
+    async def measured(tasks: int, seconds: float, warmup: float) -> Measured:
+        try:
+            return await drive_tasks(one, tasks, seconds, warmup)
+        finally:
+            await ea.dispose()
+            await eb.dispose()
+
+    def unused() -> Client:
+        raise AssertionError("an asyncio row drives itself")
+
+    def close() -> None:
+        atm.close()
+        sa_.dispose()
+        sb.dispose()
+
+    return Setup(unused, close, drive=lambda n, s, w: asyncio.run(measured(n, s, w)))
+
+
 @dataclass(frozen=True)
 class RowSpec:
     key: str
@@ -455,6 +509,8 @@ ROWS = (
     ),
 )
 
+ROWS += (RowSpec("file-aio", "twopc asyncio, N tasks on one loop, psycopg 3", aio_setup, (1, 1)),)
+
 ROW = {spec.key: spec for spec in ROWS}
 
 
@@ -527,6 +583,40 @@ def drive(setup: Setup, threads: int, seconds: float, warmup: float) -> Measured
     return summarise(latencies, max(finished) - started[0], cpu, sum(committed))
 
 
+async def drive_tasks(
+    one: Callable[[], Any], tasks: int, seconds: float, warmup: float
+) -> Measured:
+    """`drive` for an asyncio row: ``tasks`` tasks on this loop warm up, then all commit until
+    ``seconds`` after a common start."""
+    started = [0.0, 0.0]
+    latencies: list[list[float]] = [[] for _ in range(tasks)]
+    committed, finished = [0] * tasks, [0.0] * tasks
+    ready, go = [0], asyncio.Event()
+
+    async def task(n: int) -> None:
+        until = time.perf_counter() + warmup
+        while time.perf_counter() < until:
+            await one()
+            committed[n] += 1
+        ready[0] += 1
+        if ready[0] == tasks:
+            started[:] = [time.perf_counter(), time.process_time()]
+            go.set()
+        await go.wait()
+        deadline, lat = started[0] + seconds, latencies[n]
+        now = time.perf_counter()
+        while now < deadline:
+            await one()
+            committed[n] += 1
+            lat.append(time.perf_counter() - now)
+            now = time.perf_counter()
+        finished[n] = now
+
+    await asyncio.gather(*(task(n) for n in range(tasks)))
+    cpu = time.process_time() - started[1]
+    return summarise(latencies, max(finished) - started[0], cpu, sum(committed))
+
+
 def summarise(latencies: list[list[float]], wall: float, cpu: float, committed: int) -> Measured:
     ordered = sorted(itertools.chain.from_iterable(latencies))
     n = len(ordered)
@@ -554,7 +644,7 @@ def run_row(env: Env, spec: RowSpec, threads: int, seconds: float, warmup: float
     before = counts(env)
     setup = spec.make(env, threads)
     try:
-        measured = drive(setup, threads, seconds, warmup)
+        measured = (setup.drive or functools.partial(drive, setup))(threads, seconds, warmup)
     finally:
         setup.finish()
     after = counts(env)

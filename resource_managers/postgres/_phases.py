@@ -14,6 +14,34 @@ from ._base import BranchFailed, NotPreparable, PostgresBase, UnknownGid
 from ._branch import Branch
 
 
+def prepare_statement(marker_table: str | None, gid: str) -> tuple[str, list[str]]:
+    """``PREPARE TRANSACTION``, with the outcome marker's insert before it in the same message
+    (one round trip: the marker commits, or not, with the branch, never on its own). Its
+    parameters are bound on the client: the server takes none in PREPARE. The async resource
+    (`.aio`) sends the same statement."""
+    if marker_table is None:
+        return "PREPARE TRANSACTION %s", [gid]
+    return f"INSERT INTO {marker_table} (gid) VALUES (%s); PREPARE TRANSACTION %s", [gid, gid]
+
+
+def one_phase_failure(name: str, xid: Xid, exc: Exception) -> Exception:
+    """What a failed one-phase ``COMMIT`` raises: unknown if the connection was lost on the way
+    (it may have committed), else the branch's failure (it did not)."""
+    if _errors.is_unreachable(exc):
+        return OutcomeUnknownError(
+            f"{name}: connection lost during a one-phase COMMIT; it may or may not have "
+            f"committed: {_errors.describe(exc)}",
+            gtrid=xid.gtrid,
+        )
+    return BranchFailed(f"{name}: COMMIT failed: {_errors.describe(exc)}")
+
+
+def check_commit_tag(name: str, tag: str) -> None:
+    """A transaction that failed earlier answers COMMIT with ``ROLLBACK``, and no error."""
+    if tag != "COMMIT":
+        raise BranchFailed(f"{name}: the server answered COMMIT with {tag!r}")
+
+
 class PhaseOps(PostgresBase):
     """`PostgresResource`'s XA verbs after the work: prepare, commit, rollback."""
 
@@ -30,12 +58,7 @@ class PhaseOps(PostgresBase):
         return Vote.COMMIT
 
     def _prepare_on_server(self, branch: Branch) -> None:
-        facts = self._server_facts()
-        sql, params = "PREPARE TRANSACTION %s", [branch.gid]
-        if facts.marker_table is not None:
-            # one round trip: the marker commits (or not) with the branch, never on its own
-            sql = f"INSERT INTO {facts.marker_table} (gid) VALUES (%s); {sql}"
-            params.insert(0, branch.gid)
+        sql, params = prepare_statement(self._server_facts().marker_table, branch.gid)
         branch.prepare_sent = True
         try:
             tag = self._driver.run(branch.dbapi, sql, params)
@@ -104,18 +127,10 @@ class PhaseOps(PostgresBase):
         try:
             tag = self._driver.run(branch.dbapi, "COMMIT")
         except Exception as exc:
-            broken = _errors.is_unreachable(exc)
             self._discard(branch, broken=True)
-            if broken:
-                raise OutcomeUnknownError(
-                    f"{self._name}: connection lost during a one-phase COMMIT; it may or may not "
-                    f"have committed: {_errors.describe(exc)}",
-                    gtrid=branch.xid.gtrid,
-                ) from exc
-            raise BranchFailed(f"{self._name}: COMMIT failed: {_errors.describe(exc)}") from exc
+            raise one_phase_failure(self._name, branch.xid, exc) from exc
         self._discard(branch, broken=False)
-        if tag != "COMMIT":
-            raise BranchFailed(f"{self._name}: the server answered COMMIT with {tag!r}")
+        check_commit_tag(self._name, tag)
         return None
 
     def rollback(self, xid: Xid) -> Outcome | None:
