@@ -1,11 +1,15 @@
-"""What every resource manager of the messaging side keeps the same way: its name (the branch
-qualifier of its xids), its sort key, and the branches it has started and not yet ended.
+"""What every resource manager keeps the same way: its name (the branch qualifier of its
+xids), its sort key, and the branches it has started and not yet ended.
 
-`MessageLogResource`, `CursorResource`, `RemoteMessageLog` and `RemoteCursor` each wrote this
-out; here it is once, so the rules stay one: a name is checked when the resource is made, an xid
-of another branch is refused (`InvalidXidError`) before anything is done with it, a branch is
-started at most once, and ending it (`_take`) closes it so a late ``send`` or ``receive`` on the
-handle the application still holds is refused rather than lost.
+`MessageLogResource`, `CursorResource`, `RemoteMessageLog`, `RemoteCursor`, `PostgresResource`
+and `RedisResource` each wrote this out; here it is once, so the rules stay one: a name is checked
+when the resource is made, an xid of another branch is refused (`InvalidXidError`) before anything
+is done with it, a branch is started at most once, and ending it (`_take`) closes it so a late
+``send`` or ``receive`` on the handle the application still holds is refused rather than lost.
+
+The table holds any kind of branch state (``T``): the database resources keep richer branches
+(a connection, a buffered write set) that they end their own way, so only `_take` and `_drop`,
+which close what they end, ask for a branch with a ``closed`` flag.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from coordinator.errors import IllegalStateError, InvalidXidError, TransientError
+from coordinator.errors import (
+    IllegalStateError,
+    InvalidXidError,
+    ProgrammingError,
+    TransientError,
+)
 from coordinator.xid import Xid, is_sub_branch_of, validate_resource_name
 
 
@@ -23,11 +32,12 @@ class _Closable(Protocol):
     closed: bool
 
 
+T = TypeVar("T")
 B = TypeVar("B", bound=_Closable)
 
 
-class Branches(Generic[B]):
-    """A resource's name, sort key and table of active branches (handles of type ``B``).
+class Branches(Generic[T]):
+    """A resource's name, sort key and table of active branches (of type ``T``).
 
     ``_sub_branches``: whether xids of sub-branches (``<name>~<tag>``, begun by another process
     for this resource, as Spark executors do) belong here too."""
@@ -38,7 +48,7 @@ class Branches(Generic[B]):
         self._name = validate_resource_name(name)
         self._sort_key = sort_key or self._name
         self._lock = threading.Lock()
-        self._branches: dict[Xid, B] = {}
+        self._branches: dict[Xid, T] = {}
 
     @property
     def name(self) -> str:
@@ -56,7 +66,7 @@ class Branches(Generic[B]):
             raise InvalidXidError(f"{self._name}: {xid} belongs to branch {xid.bqual!r}")
         return xid
 
-    def _begin(self, xid: Xid, branch: B) -> B:
+    def _begin(self, xid: Xid, branch: T) -> T:
         """Record ``branch`` as ``xid``'s active one (`IllegalStateError` if it has one)."""
         with self._lock:
             if xid in self._branches:
@@ -64,19 +74,31 @@ class Branches(Generic[B]):
             self._branches[xid] = branch
         return branch
 
-    def _take(self, xid: Xid) -> B:
+    def _take(self: Branches[B], xid: Xid) -> B:
         """End ``xid``'s active branch and return it, closed (`IllegalStateError` if none)."""
         branch = self._drop(xid)
         if branch is None:
             raise IllegalStateError(f"{self._name}: no active branch {xid}")
         return branch
 
-    def _drop(self, xid: Xid) -> B | None:
+    def _drop(self: Branches[B], xid: Xid) -> B | None:
         """End ``xid``'s active branch if it has one (closed); None if not."""
         with self._lock:
             branch = self._branches.pop(self._check(xid), None)
         if branch is not None:
             branch.closed = True
+        return branch
+
+    def _get(self, xid: Xid) -> T | None:
+        """``xid``'s active branch, or None."""
+        with self._lock:
+            return self._branches.get(xid)
+
+    def _branch(self, xid: Xid) -> T:
+        """``xid``'s active branch, which the caller's work needs (`ProgrammingError` if none)."""
+        branch = self._get(xid)
+        if branch is None:
+            raise ProgrammingError(f"{self._name}: no active branch {xid}")
         return branch
 
     def _active(self, xid: Xid) -> bool:

@@ -100,7 +100,11 @@ def _open(target: Target, stack: ExitStack) -> Resource[Any]:
     if isinstance(target, PostgresTarget):
         engine = _engine(target.url)
         stack.callback(engine.dispose)
-        return PostgresResource(engine, target.name)
+        # hold_prepared=0: phase two of a target branch never runs where it was prepared (an
+        # executor prepares, the driver commits on a connection of its own), and a held
+        # connection outlives ``engine.dispose`` (it is checked out) until the garbage collector
+        # finds it: 64 partitions ran PostgreSQL out of connections (bench/spark_sink.py)
+        return PostgresResource(engine, target.name, hold_prepared=0)
     if isinstance(target, RedisTarget):
         client: Any = redis.Redis.from_url(target.url)
         stack.callback(client.close)

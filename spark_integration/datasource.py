@@ -21,10 +21,12 @@ message of the attempt Spark chose per partition). That is exactly the shape of
 - Only ``append``: ``overwrite`` would need a delete that is part of the same decision, which
   the targets do not offer, so it is refused rather than silently appended.
 
-Rows reach the partition writer as dicts: ``Row.asDict()``, or, with the option ``arrow=true`` on a
-batch write, ``RecordBatch.to_pylist()`` from a ``DataSourceArrowWriter`` (Spark then ships
-columnar batches to the Python worker instead of pickled rows; `bench/spark_sink.py` measures
-both).
+Rows reach the partition writer as dicts: ``RecordBatch.to_pylist()`` from a
+``DataSourceArrowWriter`` (Spark then ships columnar batches to the Python worker instead of
+pickled rows; `bench/spark_sink.py` measures both), or ``Row.asDict()``. A batch write takes Arrow
+by default wherever both give the same values (`arrow_choice` decides from the schema and logs
+why when it does not), or as the option ``arrow`` says; a stream always takes Rows (Spark has no
+Arrow stream writer).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from pyspark.sql.datasource import (
 from coordinator import ConfigurationError
 
 from . import driver_commit
+from .arrow_choice import use_arrow
 from .ids import make_gtrid
 from .partition_writer import CommitMessage, write_partition
 from .targets import parse_options
@@ -125,7 +128,8 @@ class TwopcBatchWriter(DataSourceWriter):
 
 
 class TwopcArrowBatchWriter(TwopcBatchWriter, DataSourceArrowWriter):
-    """The batch write fed with Arrow record batches (option ``arrow=true``)."""
+    """The batch write fed with Arrow record batches (the default where `arrow_choice` allows,
+    or option ``arrow=true``)."""
 
     def write(self, iterator: Iterator[RecordBatch]) -> WriterCommitMessage:
         context = _task()
@@ -181,7 +185,7 @@ class TwopcDataSource(DataSource):
         options = dict(self.options)
         config = parse_options(options)
         gtrid = make_gtrid(config.app_id, txn_version=config.txn_version, node=config.log.node)
-        if config.arrow:
+        if use_arrow(config.arrow, schema):
             return TwopcArrowBatchWriter(options, gtrid)
         return TwopcBatchWriter(options, gtrid)
 

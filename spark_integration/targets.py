@@ -10,7 +10,8 @@ target that does not exist (``kafka.url``), or an unknown key of a known target 
 Options (keys are case-insensitive, as Spark's are):
 
 - ``appId`` (required), ``txnVersion`` (batch writes: the idempotency key), ``arrow`` (``true``:
-  batch tasks get Arrow record batches instead of Spark Rows; the same values reach the targets).
+  batch tasks get Arrow record batches instead of Spark Rows; ``false``: Rows; not given: Arrow
+  where the same values reach the targets either way, see `spark_integration.arrow_choice`).
 - Decision log: ``log.url`` (PostgreSQL URL of the `SqlDecisionLog`, required), ``log.node``
   (default ``spark``), ``log.table_prefix`` (``twopc_``), ``log.ledger_name``
   (``spark-ledger``), ``log.grace_seconds`` (900: how long recovery leaves an undecided branch
@@ -154,8 +155,9 @@ class WriteConfig:
     txn_version: str | None
     log: LogTarget
     targets: tuple[Target, ...]
-    #: batch writes take Arrow record batches instead of Rows (``arrow`` = true)
-    arrow: bool = False
+    #: batch writes take Arrow record batches instead of Rows (``arrow`` = true), or Rows
+    #: (false); None (not given): Arrow where it is correct (`spark_integration.arrow_choice`)
+    arrow: bool | None = None
 
     @property
     def resource_names(self) -> tuple[str, ...]:
@@ -206,11 +208,15 @@ def parse_options(options: Mapping[str, str]) -> WriteConfig:
     names = [t.name for t in targets] + [log.ledger_name]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"resource names must differ: {names}")
-    arrow = top.get("arrow", "false").strip().lower()
-    if arrow not in ("true", "false"):
+    arrow = top.get("arrow")
+    if arrow is not None and arrow.strip().lower() not in ("true", "false"):
         raise ConfigurationError(f"option 'arrow' must be true or false, not {arrow!r}")
     return WriteConfig(
-        app_id, top.get("txnVersion") or None, log, tuple(targets), arrow=arrow == "true"
+        app_id,
+        top.get("txnVersion") or None,
+        log,
+        tuple(targets),
+        arrow=None if arrow is None else arrow.strip().lower() == "true",
     )
 
 

@@ -1,15 +1,16 @@
 """The state and plumbing shared by the parts of `PostgresResource` (`.resource`): its errors,
-the lock over its branches, and ending, flushing and releasing a branch."""
+and ending, flushing and releasing a branch. Its name, sort key and the lock over its branches
+are every resource's (`resource_managers.bookkeeping.Branches`)."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from sqlalchemy.engine import Engine
 
 from coordinator import ProgrammingError, TransactionRolledBack, TransientError, Xid
+from resource_managers.bookkeeping import Branches
 
 from . import _errors
 from ._branch import IDLE, INERROR, INTRANS, Branch
@@ -38,25 +39,23 @@ class UnknownGid(Exception):
     """The prepared transaction does not exist (any more)."""
 
 
-class PostgresBase:
-    """What every part of `PostgresResource` shares: its settings, one lock over the open
-    branches (``_branches``), the prepared ones holding their connection (``_held``) and the
-    queue of ended decision rows (``_ended``); and the plumbing that ends or releases a branch.
+class PostgresBase(Branches[Branch]):
+    """What every part of `PostgresResource` shares: its settings, one lock (`Branches`') over
+    the open branches (``_branches``), the prepared ones holding their connection (``_held``)
+    and the queue of ended decision rows (``_ended``); and the plumbing that ends or releases a
+    branch.
     ``PostgresResource.__init__`` sets every attribute; the phases (`._phases`), the last
     resource (`._last_resource`) and recovery (`._recovery`) are mixins of this class."""
 
     engine: Engine
     _driver: Driver
-    _name: str
-    _begin: str
+    _begin_sql: str  # the BEGIN each branch sends with its first statement
     _hold: float
     _markers: bool
     _marker_name: str
     _marker_retention: float
     _busy_retries: int
     _busy_delay: float
-    _lock: threading.Lock
-    _branches: dict[Xid, Branch]
     #: prepared branches keeping their connection for phase two, oldest first
     _held: dict[Xid, Branch]
     _facts: ServerFacts | None
@@ -132,13 +131,6 @@ class PostgresBase:
                 f"{self._name}: cannot read the outcome marker of {xid}: {_errors.describe(exc)}"
             ) from exc
         return bool(rows)
-
-    def _branch(self, xid: Xid) -> Branch:
-        with self._lock:
-            branch = self._branches.get(xid)
-        if branch is None:
-            raise ProgrammingError(f"{self._name}: no active branch {xid}")
-        return branch
 
     def _has_xid(self, branch: Branch) -> bool:
         """Did any statement write? Only asked when every statement looked like a read."""

@@ -60,6 +60,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from coordinator import ConfigurationError, Transaction, TransientError, Xid
+from resource_managers.bookkeeping import Branches
 
 from . import _drivers, _errors
 from ._base import BranchFailed, NotPreparable
@@ -178,22 +179,19 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
             if not _IDENTIFIER.match(table):
                 raise ConfigurationError(f"{label} {table!r} is not a plain identifier")
         self.engine = engine
-        self._name = name or _default_name(engine)
-        self._sort_key = sort_key or self._name
+        Branches.__init__(self, name or _default_name(engine), sort_key)
         self._handle: Handle = handle
         self._session_factory = session_factory or default_session
-        self._begin = "BEGIN"
+        self._begin_sql = "BEGIN"
         self._isolation = (isolation_level or "READ COMMITTED").upper()
         if isolation_level is not None:
-            self._begin += f" ISOLATION LEVEL {isolation_level.upper()}"
+            self._begin_sql += f" ISOLATION LEVEL {isolation_level.upper()}"
         self._hold = hold_prepared
         self._markers = outcome_markers
         self._marker_name = marker_table
         self._marker_retention = marker_retention
         self._busy_retries = busy_retries
         self._busy_delay = busy_delay
-        self._lock = threading.Lock()
-        self._branches: dict[Xid, Branch] = {}
         #: prepared branches keeping their connection for phase two, oldest first
         self._held: dict[Xid, Branch] = {}
         self._wanted = threading.local()  # the handle `connection`/`dbapi_connection` asked for
@@ -203,14 +201,6 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         self._last = last_resource
         self._decision_name = decision_table
         self._ended: list[str] = []  # decision rows to delete with the next commit or cleanup
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def sort_key(self) -> str:
-        return self._sort_key
 
     @property
     def last_resource(self) -> bool:
@@ -239,11 +229,10 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         branch = self._open(xid)
         try:
             handle = self._handle_of(branch, getattr(self._wanted, "kind", None) or self._handle)
+            self._begin(xid, branch)
         except BaseException:
             self._release(branch, broken=False)
             raise
-        with self._lock:
-            self._branches[xid] = branch
         return handle  # type: ignore[no-any-return]  # the kind ``handle=`` named, i.e. H
 
     def connection(self, tx: Transaction) -> Connection:
@@ -258,8 +247,7 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
 
     def _joined(self, tx: Transaction, kind: Handle) -> Branch:
         xid = Xid.branch_of(tx.gtrid, self._name)
-        with self._lock:
-            branch = self._branches.get(xid)
+        branch = self._get(xid)
         if branch is None:
             self._wanted.kind = kind
             try:
@@ -279,7 +267,7 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
                 f"{self._name}: cannot connect to PostgreSQL: {_errors.describe(exc)}"
             ) from exc
         dbapi = pooled.dbapi_connection
-        branch = Branch(xid, xid.to_gid(), pooled, dbapi, self._begin)
+        branch = Branch(xid, xid.to_gid(), pooled, dbapi, self._begin_sql)
         try:
             self._driver.autocommit(dbapi, True)
             self._driver.attach(dbapi, branch)

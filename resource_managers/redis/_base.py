@@ -1,16 +1,18 @@
-"""The state and plumbing shared by the parts of `RedisResource` (`.resource`)."""
+"""The state and plumbing shared by the parts of `RedisResource` (`.resource`). Its name, sort
+key and the lock over its branches are every resource's
+(`resource_managers.bookkeeping.Branches`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any, Final
 
 from redis import exceptions as rex
 from redis.client import NEVER_DECODE
 
-from coordinator import InvalidXidError, ProgrammingError, TransientError, Xid
+from coordinator import InvalidXidError, TransientError, Xid
+from resource_managers.bookkeeping import Branches
 
 from . import _durability, _errors
 from .branch import ENDED, RedisBranch
@@ -25,10 +27,10 @@ HEADER_GUESS: Final = 64  # staged keys read with the header in one LRANGE
 FINAL_REPLIES: Final = frozenset((b"OK", b"STATE", b"BROKEN", b"LOST"))
 
 
-class RedisBase:
-    """What every part of `RedisResource` shares: its settings, one lock over the active
-    branches (``_branches``) and the keys of those this process prepared (``_staged``), and the
-    plumbing (twopc's key names, running a script, translating errors, the durability check).
+class RedisBase(Branches[RedisBranch]):
+    """What every part of `RedisResource` shares: its settings, one lock (`Branches`') over the
+    active branches (``_branches``) and the keys of those this process prepared (``_staged``), and
+    the plumbing (twopc's key names, running a script, translating errors, the durability check).
     ``RedisResource.__init__`` sets every attribute; the reads (`._reads`), the phases
     (`._prepare`, `._commit`) and recovery (`._recovery`) are mixins of this class."""
 
@@ -42,17 +44,10 @@ class RedisBase:
     lock_wait: float
     tombstone_ttl: int
     blind_writes: bool
-    _name: str
     _scripts: Scripts
     _encoder: Any
-    _lock: threading.Lock
-    _branches: dict[Xid, RedisBranch]
     _staged: dict[Xid, list[bytes]]  # keys of branches this process prepared
     _durability_checked: bool
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -94,13 +89,6 @@ class RedisBase:
                     "LRANGE", key, 0, count + 1, **{NEVER_DECODE: []}
                 )
         return [bytes(k) for k in head[2 : 2 + count]]
-
-    def _branch(self, xid: Xid) -> RedisBranch:
-        with self._lock:
-            branch = self._branches.get(xid)
-        if branch is None:
-            raise ProgrammingError(f"{self._name}: no active branch {xid}")
-        return branch
 
     def _end(self, branch: RedisBranch) -> None:
         branch.phase = ENDED

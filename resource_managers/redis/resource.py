@@ -61,14 +61,13 @@ the plumbing (key names, running a script, errors, the durability check).
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from coordinator import ConfigurationError, IllegalStateError, Xid
-from coordinator.xid import validate_resource_name
+from coordinator import ConfigurationError, Xid
+from resource_managers.bookkeeping import Branches
 
 from ._base import MAGIC, ONE_PHASE_MARKER_TTL
 from ._commit import CommitOps
@@ -121,7 +120,7 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
         blind_writes: bool = False,
         single_slot: bool | None = None,
     ) -> None:
-        self._name = validate_resource_name(name)
+        Branches.__init__(self, name, sort_key)
         for label, value in (("namespace", namespace), ("hash_tag", hash_tag)):
             if value is not None and not _NAMESPACE.match(value):
                 raise ConfigurationError(
@@ -148,17 +147,10 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
         self.lock_wait = float(lock_wait)
         self.tombstone_ttl = int(tombstone_ttl)
         self.blind_writes = blind_writes
-        self._sort_key = sort_key or self._name
         self._scripts = Scripts(client, self.cluster)
         self._encoder = client.get_encoder()
-        self._lock = threading.Lock()
-        self._branches: dict[Xid, RedisBranch] = {}
         self._staged: dict[Xid, list[bytes]] = {}  # keys of branches this process prepared
         self._durability_checked = False
-
-    @property
-    def sort_key(self) -> str:
-        return self._sort_key
 
     def __repr__(self) -> str:
         return f"RedisResource({self._name!r}, {self._where()}, prefix={self.prefix!r})"
@@ -167,9 +159,4 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
 
     def start(self, xid: Xid) -> RedisBranch:
         self._check_durability()
-        branch = RedisBranch(self, xid)
-        with self._lock:
-            if xid in self._branches:
-                raise IllegalStateError(f"{self._name}: branch {xid} is already active")
-            self._branches[xid] = branch
-        return branch
+        return self._begin(xid, RedisBranch(self, xid))
