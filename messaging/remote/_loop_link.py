@@ -103,15 +103,20 @@ class LoopLink:
         """The next frame, None at a clean end; `TimeoutError` keeps the read going for the
         next call; a bad frame raises `FrameError`."""
 
-        async def read() -> Frame | None:
+        async def read() -> tuple[bool, Frame | None]:
             task = self._read_task()
             done, _ = await asyncio.wait({task}, timeout=timeout)
             if not done:
-                raise TimeoutError(f"no frame within {timeout} s")
+                return False, None
             self._reading = None
-            return task.result()
+            return True, task.result()
 
-        return self._run(read, "recv")
+        # The timeout is raised here, not in the coroutine: `on_loop` would take a TimeoutError
+        # out of the loop (concurrent.futures.TimeoutError is the same class) for its own.
+        arrived, frame = self._run(read, "recv")
+        if not arrived:
+            raise TimeoutError(f"no frame within {timeout} s")
+        return frame
 
     def readable(self) -> bool:
         """Has a frame (or the end) arrived already? Looks by starting the read and giving it a

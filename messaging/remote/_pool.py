@@ -99,10 +99,13 @@ class _Pool:
 
     def _open_on(self, loop: asyncio.AbstractEventLoop) -> Link:
         async def open_() -> LoopLink:
-            return await open_link(
-                self.address, self._secret, self._client_id, self._role, tls=self._tls,
-                server_hostname=self._server_hostname, timeout=self._timeout,
-            )  # fmt: skip
+            try:
+                return await open_link(
+                    self.address, self._secret, self._client_id, self._role, tls=self._tls,
+                    server_hostname=self._server_hostname, timeout=self._timeout,
+                )  # fmt: skip
+            except TimeoutError as exc:  # on_loop would take a TimeoutError for its own
+                raise ConnectionError(f"connect timed out: {exc}") from exc
 
         try:
             return on_loop(loop, open_, None, what=f"connect to {self.address}")

@@ -3,7 +3,8 @@ log`` and ``twopc serve cursor`` processes (the log transferring to the cursor) 
 PostgreSQL (psycopg 3 async): an async producer sends with a row in the same transaction, an
 async consumer takes each message with a row of its own, exactly once; a no vote rolls back the
 messages and the rows together; a failing handler has its message redelivered; a task cancelled
-mid-commit still commits its round."""
+mid-commit still commits its round; leaving the loop with part of a round unhandled rolls it
+back."""
 
 from __future__ import annotations
 
@@ -217,3 +218,28 @@ def test_a_task_cancelled_mid_commit_still_commits(
 
     asyncio.run(main())
     assert rows(schema, "consumed") == ["c"]
+
+
+def test_leaving_the_loop_with_messages_of_the_round_unhandled_rolls_it_back(
+    ends_factory: Callable[..., Any], schema: str
+) -> None:
+    async def main() -> None:
+        async with ends_factory() as ends:
+            await produce(ends, ["x", "y"])
+            await asyncio.sleep(1.0)  # both transferred: one round takes both
+            async with AsyncConsumer(ends.atm, ends.cursor, "orders", batch=2, poll=5.0) as c:
+                async for tx, delivery in c:
+                    await record(tx, ends.pg, delivery)
+                    break  # "y" of this round never handled: the round must not commit
+            taken: list[Delivery] = []
+
+            async def handle(tx: AsyncTransaction, delivery: Delivery) -> None:
+                taken.append(delivery)
+                await record(tx, ends.pg, delivery)
+
+            while len(taken) < 2:
+                assert await aconsume_once(ends.atm, ends.cursor, "orders", handle, timeout=5)
+            assert [d.body for d in taken] == [b"x", b"y"] and taken[0].redelivered
+
+    asyncio.run(main())
+    assert rows(schema, "consumed") == ["x", "y"]
