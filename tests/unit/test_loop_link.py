@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from messaging.connection import Connection, Listener
 from messaging.frames import Ping, Pong
 from messaging.remote._loop_link import LoopLink
 from messaging.remote._pool import _alive, _Pool
+from tests.support.tls import make_certificate
 
 SECRET = SharedSecret(b"loop-link-test-secret-0123456789")
 ROLE = "producer"
@@ -128,3 +130,21 @@ def test_a_link_used_on_its_own_loop_is_refused_and_a_wrong_secret_is_an_auth_er
     with pytest.raises(AuthError):
         wrong.acquire()
     link.close()
+
+
+def test_over_tls_with_the_sync_clients_options(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    tls = make_certificate(tmp_path)
+    with Listener(
+        ("127.0.0.1", 0), SECRET, "t", {ROLE: slow_echo}, tls=tls.server_context()
+    ).start() as server:
+        pool = _Pool(server.address, SECRET, client_id="c", role=ROLE, tls=tls,
+                     server_hostname="localhost", timeout=5.0)  # fmt: skip
+        pool.loop = loop
+        link = pool.acquire()
+        assert isinstance(link, LoopLink)
+        link.send(Ping(3))
+        assert link.recv(timeout=5) == Pong(3)
+        link.close()
+        pool.close()
