@@ -1,7 +1,10 @@
 """The ``twopc-eo-aio`` row of `bench/messaging.py`: the same exactly-once pipeline through the
 asyncio API (`coordinator.aio`, `messaging.remote.aio`).
 
-Each application is one process with one event loop. The producing one serves its message log
+Each application is one process with one event loop running `TASKS` transactions at once (the
+producer's batches dealt out among its tasks; the consumer's tasks receive from the one
+destination, so messages are consumed out of order, which the verification does not mind). The
+producing one serves its message log
 to itself (``ProducerService`` on a loopback listener, authenticated) and sends through an
 `AsyncRemoteMessageLog`; its log transfers to the consuming process as in the other rows. The
 consuming one serves its cursor the same way (``ConsumerService`` next to the transfer receiver)
@@ -37,6 +40,8 @@ from resource_managers.message_log import MessageLog
 from resource_managers.postgres.aio import AsyncPostgresResource
 
 EXACTLY_ONCE_AIO = "twopc exactly-once, asyncio (file log, PG prepared)"
+#: concurrent transactions per application, all on its one event loop
+TASKS = 4
 
 
 def _manager(node: str, workdir: Path, resources: list[Any]) -> AsyncTransactionManager:
@@ -44,7 +49,7 @@ def _manager(node: str, workdir: Path, resources: list[Any]) -> AsyncTransaction
         node, FileDecisionLog(workdir / f"{node}-txlog"), resources, recovery_interval=None,
         reaper_interval=None,
     )  # fmt: skip
-    return AsyncTransactionManager(tm, max_workers=4)
+    return AsyncTransactionManager(tm, max_workers=TASKS)
 
 
 def consumer_main(  # noqa: PLR0917 - a Process target takes positional arguments
@@ -60,25 +65,33 @@ def consumer_main(  # noqa: PLR0917 - a Process target takes positional argument
     pipe.send(listener.address)
 
     async def consume() -> None:
-        engine = create_async_engine(url, pool_size=2)
+        engine = create_async_engine(url, pool_size=TASKS)
         pg = AsyncPostgresResource(engine, "pg")
         remote = AsyncRemoteCursor(listener.address, secret, name="cursor", client_id="bench-c")
         atm = _manager("bench-consumer", workdir, [remote, pg])
         latencies: list[float] = []
         rounds = 0
-        try:
+        finished = 0.0
+
+        async def one_task() -> None:
+            nonlocal rounds, finished
             while len(latencies) < total:
                 async with atm.atransaction() as tx:
                     branch = await tx.join(remote)
-                    got = await branch.receive_many(destination, per_tx, timeout=5.0)
+                    got = await branch.receive_many(destination, per_tx, timeout=0.5)
                     if not got:
                         continue
                     session = await tx.join(pg)
                     await session.execute(insert_consumed, {"ids": [d.headers["id"] for d in got]})
                 done = time.time_ns()
-                latencies += [(done - int(d.headers[base.SENT_HEADER])) / 1e6 for d in got]
+                latencies.extend((done - int(d.headers[base.SENT_HEADER])) / 1e6 for d in got)
                 rounds += 1
-            pipe.send((time.perf_counter(), latencies, rounds))
+                if len(latencies) >= total and not finished:
+                    finished = time.perf_counter()
+
+        try:
+            await asyncio.gather(*(one_task() for _ in range(TASKS)))
+            pipe.send((finished, latencies, rounds))
         finally:
             await atm.aclose()
             await remote.aclose()
@@ -113,21 +126,27 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
     batches = list(base._Run(per_tx, total).batches())  # the baselines' ids and bodies
 
     async def produce() -> None:
-        engine = create_async_engine(url, pool_size=2)
+        engine = create_async_engine(url, pool_size=TASKS)
         pg = AsyncPostgresResource(engine, "pg")
         remote = AsyncRemoteMessageLog(listener.address, secret, name="mlog", client_id="bench-p")
         atm = _manager("bench-producer", workdir, [remote, pg])
         try:
             pipe.send("ready")
             await asyncio.to_thread(pipe.recv)  # go
-            for ids, bodies in batches:
-                async with atm.atransaction() as tx:
-                    session = await tx.join(pg)
-                    await session.execute(insert_produced, {"ids": ids, "bodies": bodies})
-                    branch = await tx.join(remote)
-                    sent = str(time.time_ns())
-                    for mid, body in zip(ids, bodies, strict=True):
-                        branch.send(destination, body, headers={"id": mid, base.SENT_HEADER: sent})
+
+            async def one_task(mine: list[tuple[list[str], list[bytes]]]) -> None:
+                for ids, bodies in mine:
+                    async with atm.atransaction() as tx:
+                        session = await tx.join(pg)
+                        await session.execute(insert_produced, {"ids": ids, "bodies": bodies})
+                        branch = await tx.join(remote)
+                        sent = str(time.time_ns())
+                        for mid, body in zip(ids, bodies, strict=True):
+                            branch.send(
+                                destination, body, headers={"id": mid, base.SENT_HEADER: sent}
+                            )
+
+            await asyncio.gather(*(one_task(batches[n::TASKS]) for n in range(TASKS)))
             pipe.send(time.perf_counter())
         finally:
             await atm.aclose()
