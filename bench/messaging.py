@@ -26,6 +26,9 @@ over TCP on loopback, authenticated):
   PostgreSQL insert on its own, then commits the cursor transaction (acknowledge after commit, as
   the RabbitMQ row does). The gap between this row and ``twopc-eo`` is what exactly-once costs.
 - ``twopc-core``, log+cursor only: no database work at all: the messaging system alone.
+- ``twopc-eo-aio``, ``twopc-eo-file`` through the asyncio API: one event loop per application,
+  the log and the cursor reached through `messaging.remote.aio` clients over loopback, PostgreSQL
+  through `AsyncPostgresResource` (`bench/messaging_aio.py` says how).
 - ``outbox``: the same pipeline inside PostgreSQL (producer, relay and consumer processes; outbox,
   inbox and processed-ids tables): `bench/messaging_outbox.py` says how.
 
@@ -78,6 +81,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import messaging_aio  # type: ignore[import-not-found]
 import messaging_baselines as base  # type: ignore[import-not-found]
 import messaging_outbox as outbox  # type: ignore[import-not-found]
 import messaging_scale  # type: ignore[import-not-found]
@@ -103,6 +107,7 @@ MODES = {
     "exactly-once-file": EXACTLY_ONCE_FILE,
     "at-least-once": AT_LEAST_ONCE,
     "log-only": MESSAGING_ONLY,
+    "exactly-once-aio": messaging_aio.EXACTLY_ONCE_AIO,
 }
 #: the ids ``--json`` writes, one per row (issue 14 names them)
 SYSTEM_IDS = {
@@ -110,6 +115,7 @@ SYSTEM_IDS = {
     EXACTLY_ONCE_FILE: "twopc-eo-file",
     AT_LEAST_ONCE: "twopc-alo",
     MESSAGING_ONLY: "twopc-core",
+    messaging_aio.EXACTLY_ONCE_AIO: "twopc-eo-aio",
     outbox.OUTBOX: "outbox",
     base.JETSTREAM: "jetstream",
     base.RABBITMQ: "rabbitmq",
@@ -225,11 +231,7 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
     pg = _pg(mode, engine)
     resources: list[Any] = [log_res, pg] if mode in TWO_PHASE else [log_res]
     tm = _manager("bench-producer", workdir, resources)
-    prefix = uuid.uuid4().hex[:12]
-    batches = []
-    for first in range(0, total, per_tx):
-        ids = [f"{prefix}-{n:09d}" for n in range(first, min(first + per_tx, total))]
-        batches.append((ids, [os.urandom(base.BODY_BYTES) for _ in ids]))
+    batches = list(base._Run(per_tx, total).batches())  # the baselines' ids and bodies
     pipe.send("ready")
     pipe.recv()  # go
     try:
@@ -266,16 +268,21 @@ def run_twopc(mode: str, dsns: tuple[str, str], per_tx: int, messages: int) -> b
     ctx = mp.get_context("fork")
     c_parent, c_child = ctx.Pipe()
     p_parent, p_child = ctx.Pipe()
+    aio = mode == "exactly-once-aio"
+    sql = (DESTINATION, INSERT_PRODUCED, INSERT_CONSUMED)
     consumer = ctx.Process(
-        target=consumer_main, args=(mode, consumer_dsn, workdir, key, per_tx, messages, c_child)
-    )
+        target=messaging_aio.consumer_main if aio else consumer_main,
+        args=(_async_url(consumer_dsn), workdir, key, per_tx, messages, c_child, sql) if aio
+        else (mode, consumer_dsn, workdir, key, per_tx, messages, c_child),
+    )  # fmt: skip
     consumer.start()
     try:
         address = _recv(c_parent, consumer)
         producer = ctx.Process(
-            target=producer_main,
-            args=(mode, producer_dsn, workdir, key, per_tx, messages, address, p_child),
-        )
+            target=messaging_aio.producer_main if aio else producer_main,
+            args=(_async_url(producer_dsn), workdir, key, per_tx, messages, address, p_child, sql)
+            if aio else (mode, producer_dsn, workdir, key, per_tx, messages, address, p_child),
+        )  # fmt: skip
         producer.start()
         try:
             _recv(p_parent, producer)  # ready
@@ -303,6 +310,14 @@ def run_twopc(mode: str, dsns: tuple[str, str], per_tx: int, messages: int) -> b
         duplicates=len(latencies) - messages,
         batches=rounds,
     )
+
+
+def _async_url(dsn: str) -> str:
+    """The database of ``dsn`` as a psycopg 3 URL, for the async row's engines."""
+    engine = _engine(dsn)
+    url = engine.url.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    engine.dispose()
+    return str(url)
 
 
 def _recv(pipe: Pipe, proc: Any, timeout: float = base.STALL_TIMEOUT_S * 3) -> Any:

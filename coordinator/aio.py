@@ -39,11 +39,12 @@ import concurrent.futures
 import contextvars
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from .backoff import ExponentialBackoff
 from .errors import ProgrammingError, TransientError
 from .manager import _UNSET, TransactionManager, _current
 from .recovery import RecoveryReport
@@ -222,6 +223,37 @@ class AsyncTransactionManager:
         """``async with atm.atransaction() as tx:`` commits on a clean exit, rolls back on an
         exception (re-raised). Keyword arguments are `TransactionManager.begin`'s."""
         return _AsyncBlock(self, timeout, kwargs)
+
+    async def run(
+        self,
+        work: Callable[[AsyncTransaction], Awaitable[T]],
+        *,
+        tries: int = 3,
+        timeout: float | None = _UNSET,
+    ) -> T:
+        """`TransactionManager.run` for coroutines: ``await work(tx)`` in a transaction, the
+        whole of it retried on a transient error, each retry only once the failed attempt
+        settled (waited for on a worker thread), never after an `OutcomeUnknownError`."""
+        manager = self.manager
+        backoff = ExponentialBackoff(base=0.05, cap=2.0)
+        for attempt in range(1, tries + 1):
+            atx: AsyncTransaction | None = None
+            try:
+                async with self.atransaction(timeout) as atx:
+                    return await work(atx)
+            except Exception as exc:
+                tx = None if atx is None else atx.tx
+                if attempt == tries or not manager._is_transient(exc, tx):
+                    raise
+                if tx is not None and not await self.off_loop(
+                    manager.await_settled, tx, manager.settle_timeout
+                ):
+                    log.warning("%s did not settle in %.1fs; not retried", tx.gtrid,
+                                manager.settle_timeout)  # fmt: skip
+                    raise
+                manager.metrics.incr("retries")
+                await asyncio.sleep(backoff.compute(attempt))
+        raise AssertionError("unreachable")
 
     async def recover(self, *, force: bool = False) -> RecoveryReport:
         """One recovery pass of the wrapped manager, on a worker thread."""

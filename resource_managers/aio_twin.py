@@ -1,9 +1,9 @@
 """`SyncTwin`: what an async resource leaves to the synchronous resource it wraps.
 
-The async resources (`resource_managers.postgres.aio`, `resource_managers.redis.aio`) are the
-synchronous ones driven from an event loop: the same name (in every gid), the same data, and so
-the same recovery, markers and gauges, which need no loop. This base hands those verbs to the
-twin in ``sync``, in one place for both.
+The async resources (`resource_managers.postgres.aio`, `resource_managers.redis.aio`,
+`messaging.remote.aio`) are the synchronous ones driven from an event loop: the same name (in
+every gid), the same data, and so the same recovery, markers and gauges, which need no loop. This
+base hands those verbs to the twin in ``sync``, in one place for all.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ class _Twin(Protocol):
 
     def forget(self, xid: Xid) -> None: ...
 
-    def gauges(self) -> dict[str, Callable[[], float]]: ...
-
 
 class SyncTwin:
     """Name, sort key, recovery, ``forget`` and gauges of an async resource: its twin's."""
@@ -51,7 +49,11 @@ class SyncTwin:
         self.sync.forget(xid)
 
     def gauges(self) -> dict[str, Callable[[], float]]:
-        return self.sync.gauges()
+        """The twin's gauges, if it exports any (a remote log or cursor does not)."""
+        gauges: Callable[[], dict[str, Callable[[], float]]] | None = getattr(
+            self.sync, "gauges", None
+        )
+        return {} if gauges is None else gauges()
 
 
 def not_opened(name: str, xid: Xid) -> ProgrammingError:

@@ -8,7 +8,8 @@ on. What a broken connection means to each verb is explained in `_resource` and 
 consumer branch pins its connection in `_remote_cursor`. A cursor's administration (subscriptions,
 dead letters, non-transactional queues) rides on the consumer role too: `_cursor_admin` on the
 client side, `admin` on the server side; both explain why a remote subscriber's attachment lasts
-exactly as long as its connection.
+exactly as long as its connection. `aio` has the same clients for asyncio transactions
+(`coordinator.aio`), their connections on the branch's event loop (`_loop_link`).
 """
 
 from ._remote_cursor import RemoteConsumerBranch, RemoteCursor

@@ -23,18 +23,19 @@ from dataclasses import dataclass
 from coordinator.errors import TransactionError
 from coordinator.resource import Outcome
 from coordinator.xid import Xid
-from messaging.connection import Connection
+
+from ._loop_link import Link
 
 #: reads the answer to one ``XA_COMMIT`` (connection, request id, seconds left): the server's
 #: outcome, its refusal (`TransactionError`), or any other exception when no answer came
-ReadOutcome = Callable[[Connection, int, float], "Outcome | None"]
+ReadOutcome = Callable[[Link, int, float], "Outcome | None"]
 
 log = logging.getLogger("twopc.remote")
 
 
 @dataclass
 class _Pending:
-    conn: Connection
+    conn: Link
     request_id: int
     xid: Xid
     on_durable: Callable[[], None]
@@ -50,7 +51,7 @@ class CommitReplies:
         timeout: float,
         *,
         read: ReadOutcome,
-        release: Callable[[Connection], None],
+        release: Callable[[Link], None],
         commit_again: Callable[[Xid], Outcome | None],
     ) -> None:
         """``release`` gives a connection that is in step back to its pool; ``commit_again``
@@ -64,9 +65,7 @@ class CommitReplies:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def expect(
-        self, conn: Connection, request_id: int, xid: Xid, on_durable: Callable[[], None]
-    ) -> None:
+    def expect(self, conn: Link, request_id: int, xid: Xid, on_durable: Callable[[], None]) -> None:
         deadline = time.monotonic() + self._timeout
         with self._lock:
             if self._thread is None:

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from coordinator.errors import IllegalStateError, OutcomeUnknownError
-from messaging.connection import Connection
 from messaging.frames import FrameType, Value
 from resource_managers.bookkeeping import B
 from resource_managers.cursor import Delivery, QueueDepth, Subscription
 
+from ._loop_link import Link
 from ._pool import _alive
 from ._replies import (
     Result,
@@ -53,7 +53,7 @@ class CursorAdmin(_RemoteResource[B]):
     `subscribe` and `set_transactional` are repeated once, as recover is."""
 
     _subscriber_lock: threading.Lock
-    _subscriber: Connection | None
+    _subscriber: Link | None
     _attached: Counter[tuple[str, str]]
 
     def _init_admin(self) -> None:

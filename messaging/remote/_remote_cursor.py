@@ -25,12 +25,15 @@ from coordinator.errors import IllegalStateError, OutcomeUnknownError, Programmi
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
 from messaging.auth import SharedSecret, TlsConfig
-from messaging.connection import Address, Connection
+from messaging.connection import Address
 from messaging.frames import FrameType, Value
 from resource_managers.cursor import Delivery
 from resource_managers.message_log import validate_destination
 
 from ._cursor_admin import CursorAdmin
+from ._loop_link import Link
+
+# import CursorAdmin
 from ._replies import Result, _deliveries, _outcome, _vote
 from ._resource import _Lost, _Unsent
 from .protocol import (
@@ -57,7 +60,7 @@ class RemoteConsumerBranch:
         self.lost = False
         #: a receive was sent: the server may hold a branch on ``conn``
         self.started = False
-        self.conn: Connection | None = None
+        self.conn: Link | None = None
         self.lock = threading.Lock()
 
     @property

@@ -30,11 +30,12 @@ from coordinator.errors import FrameError, ProgrammingError
 from coordinator.resource import Outcome
 from coordinator.xid import Xid, branches_of
 from messaging.auth import SharedSecret, TlsConfig
-from messaging.connection import Address, Connection
+from messaging.connection import Address
 from messaging.frames import FrameType, Value, XaReply, XaRequest
 from resource_managers.bookkeeping import B, Branches
 
 from ._commit_replies import CommitReplies
+from ._loop_link import Link
 from ._pool import _Pool
 from ._replies import Result, _Bad, _gids, _outcome
 from .protocol import RemoteUnavailable, error_from_reply
@@ -112,7 +113,7 @@ class _RemoteResource(Branches[B]):
 
     def _exchange(
         self,
-        conn: Connection,
+        conn: Link,
         verb: FrameType,
         xid: Xid | None,
         args: dict[str, Value],
@@ -125,9 +126,7 @@ class _RemoteResource(Branches[B]):
         request_id = self._send(conn, verb, xid, args)
         return self._answer(conn, request_id, verb.name, wait + self.timeout, decode)
 
-    def _send(
-        self, conn: Connection, verb: FrameType, xid: Xid | None, args: dict[str, Value]
-    ) -> int:
+    def _send(self, conn: Link, verb: FrameType, xid: Xid | None, args: dict[str, Value]) -> int:
         """Send one request; its id. `_Unsent` (the connection closed) if it did not go."""
         request = XaRequest(verb, next(self._ids), xid, {"rm": self._name, **args})
         try:
@@ -139,7 +138,7 @@ class _RemoteResource(Branches[B]):
 
     def _answer(
         self,
-        conn: Connection,
+        conn: Link,
         request_id: int,
         verb: str,
         timeout: float,

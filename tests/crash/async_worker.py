@@ -131,6 +131,11 @@ async def bank(args: argparse.Namespace) -> None:
 
 def recover(args: argparse.Namespace) -> None:
     tm, _, _ = open_manager(args, recover_on_start=False)
+    recover_and_report(tm)
+
+
+def recover_and_report(tm: TransactionManager) -> None:
+    """One forced recovery pass outside any loop, printed as ``RECOVERED <json>``."""
     report = tm.recover(force=True)
     result = {
         "committed": report.committed,

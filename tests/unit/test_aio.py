@@ -1,6 +1,6 @@
 """`coordinator.aio` without servers: where each step runs (the decision off the loop, an async
 branch's verbs on it), commit and rollback with file resources, a no vote, cancellation
-mid-commit, and `on_loop`'s refusals."""
+mid-commit, `on_loop`'s refusals, and `run`'s retries."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from coordinator import (
     FileDecisionLog,
     Outcome,
+    OutcomeUnknownError,
     ProgrammingError,
     TransactionRolledBack,
     TransientError,
@@ -173,3 +174,33 @@ def test_on_loop_refuses_its_own_thread_a_stopped_loop_and_a_slow_answer() -> No
             on_loop(stopped, slow, 1, what="x")
     finally:
         stopped.close()
+
+
+def test_run_retries_a_transient_failure_once_settled_and_never_an_unknown_outcome(
+    tmp_path: Path, managers: list[Any]
+) -> None:
+    store = LoopStore()
+    atm = atm_over(managers, tmp_path, store)
+    attempts: list[str] = []
+
+    async def flaky(tx: Any) -> str:
+        (await tx.join(store))["k"] = len(attempts)
+        attempts.append(tx.gtrid)
+        if len(attempts) == 1:
+            raise TransientError("a serialization conflict, say")
+        return tx.gtrid
+
+    async def unknown(tx: Any) -> None:
+        attempts.append(tx.gtrid)
+        raise OutcomeUnknownError("it may have committed", gtrid=tx.gtrid)
+
+    async def main() -> None:
+        assert await atm.run(flaky, tries=3) == attempts[-1]
+        assert len(attempts) == 2 and attempts[0] != attempts[1]  # a new transaction each time
+        attempts.clear()
+        with pytest.raises(OutcomeUnknownError):
+            await atm.run(unknown, tries=3)
+        assert len(attempts) == 1
+
+    asyncio.run(main())
+    assert store.data == {"k": 1}  # only the second attempt committed
