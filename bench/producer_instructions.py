@@ -14,6 +14,8 @@ work and the waits (round trips, fsyncs) are not instructions of it.
 - ``twopc log``: a transaction with the message-log branch alone (one phase, one forced record).
 - ``twopc eo``: both: the log prepared, PostgreSQL's commit carrying the decision, the log's
   commit record lazy: `twopc-eo`'s producer.
+- ``twopc eo dbapi``: the same, the row written through the branch's driver connection
+  (``pg.dbapi_connection(tx)``, a lean handle) instead of SQLAlchemy Core.
 
     python bench/producer_instructions.py [--json PATH]
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = (100, 400)
-ROWS = ("psycopg2", "sqlalchemy", "twopc pg", "twopc log", "twopc eo")
+ROWS = ("psycopg2", "sqlalchemy", "twopc pg", "twopc log", "twopc eo", "twopc eo dbapi")
 
 CHILD = """
 import os, sys, tempfile, uuid
@@ -66,12 +68,17 @@ work = Path(tempfile.mkdtemp())
 mlog = MessageLog(work / "log")
 log_res = MessageLogResource(mlog, "mlog")
 pg = PostgresResource(engine, "pg", last_resource=True)
-resources = {{"twopc pg": [pg], "twopc log": [log_res], "twopc eo": [log_res, pg]}}[row]
+resources = {{"twopc pg": [pg], "twopc log": [log_res], "twopc eo": [log_res, pg],
+              "twopc eo dbapi": [log_res, pg]}}[row]
+RAW = INSERT.replace(":ids", "%(ids)s").replace(":bodies", "%(bodies)s")
 tm = TransactionManager("p", FileDecisionLog(work / "txlog"), resources,
                         recovery_interval=None, reaper_interval=None, inline_completion=True)
 for i in range(n):
     with tm.transaction() as tx:
-        if pg in resources:
+        if row == "twopc eo dbapi":
+            with pg.dbapi_connection(tx).cursor() as cur:
+                cur.execute(RAW, {{"ids": [f"{{prefix}}-{{i}}"], "bodies": [body]}})
+        elif pg in resources:
             pg.connection(tx).execute(statement, {{"ids": [f"{{prefix}}-{{i}}"], "bodies": [body]}})
         if log_res in resources:
             tx.join(log_res).send("bench", body, headers={{"id": f"{{prefix}}-{{i}}"}})
@@ -120,7 +127,7 @@ def main() -> int:
                 low, high = (instructions(script, row, n, dsn, url) for n in RUNS)
                 per_tx = (high - low) // (RUNS[1] - RUNS[0])
                 rows.append({"row": row, "instructions_per_tx": per_tx})
-                print(f"{row:<11} {per_tx:>10,} instructions per transaction", flush=True)
+                print(f"{row:<15} {per_tx:>10,} instructions per transaction", flush=True)
     finally:
         server.remove()
     if args.json:

@@ -108,6 +108,8 @@ def on_loop(
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError as exc:
+        if future.done():  # the coroutine's own TimeoutError (the same class since 3.11)
+            raise
         future.cancel()
         raise TransientError(f"{what} did not finish within {timeout} s on the event loop") from exc
 

@@ -167,6 +167,13 @@ def test_on_loop_refuses_its_own_thread_a_stopped_loop_and_a_slow_answer() -> No
         with pytest.raises(TransientError, match="did not finish"):
             await asyncio.to_thread(on_loop, loop, slow, 0.05, what="x")
 
+        async def times_out_itself() -> None:
+            raise TimeoutError("the branch's own statement timeout")
+
+        # the coroutine's TimeoutError is its answer, not on_loop's wait running out
+        with pytest.raises(TimeoutError, match="statement timeout"):
+            await asyncio.to_thread(on_loop, loop, times_out_itself, 5, what="x")
+
     asyncio.run(main())
     stopped = asyncio.new_event_loop()
     try:
