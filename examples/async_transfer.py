@@ -5,14 +5,19 @@ Plain asyncio, no framework. It starts a throwaway PostgreSQL cluster and a thro
 on each side (a PostgreSQL table, Redis counters), and runs ``--transfers`` transfers, at most
 ``--concurrency`` at once on one event loop. Each transfer is one two-phase transaction
 (`coordinator.aio`): a random amount leaves an account on one side and arrives on the other, a
-``transfers`` row in PostgreSQL and a ``t:<gtrid>`` key in Redis record it, and a transfer that
-would overdraw raises, so its transaction rolls back. Branches that collide (a watched Redis
-balance changed by another transfer) vote no and the transfer is tried again.
+``transfers`` row in PostgreSQL and a ``t:<gtrid>`` key in Redis record it, a notice message
+goes to the ``transfers`` queue of a message log in the same transaction, and a transfer that
+would overdraw raises, so its transaction rolls back (its message with it). Branches that
+collide (a watched Redis balance changed by another transfer) vote no and the transfer is tried
+again.
 
 The audit, after every transfer ended: the money in both stores together is what was put in;
-every transfer is recorded on both sides or on neither; nothing is left prepared in PostgreSQL,
-staged or locked in Redis, or pending in the decision log. The exit status is 0 only if all of
-that holds.
+every transfer is recorded on both sides or on neither; every recorded transfer has exactly one
+notice and no other transfer has one; nothing is left prepared in PostgreSQL, staged or locked in
+Redis, or pending in the decision log. The message log is embedded (`MessageLogResource`, a
+synchronous resource: an async transaction joins it on a worker thread, its ``send`` only stages
+in memory, and its forced prepare runs with the completion, off the loop). The exit status is
+0 only if all of that holds.
 
     .venv/bin/python examples/async_transfer.py [--transfers 200] [--concurrency 20]
 """
@@ -36,11 +41,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from coordinator import FileDecisionLog, TransactionManager, TransactionRolledBack
 from coordinator.aio import AsyncTransaction, AsyncTransactionManager
+from resource_managers.message_log import MessageLog, MessageLogResource
 from resource_managers.postgres.aio import AsyncPostgresResource
 from resource_managers.redis.aio import AsyncRedisResource
 from resource_managers.throwaway import PostgresServer, RedisServer
 
 OPENING = 1000
+QUEUE = "transfers"
 
 
 class Overdrawn(Exception):
@@ -60,6 +67,7 @@ class Bank:
     atm: AsyncTransactionManager
     pg: AsyncPostgresResource[Any]
     cache: AsyncRedisResource
+    notices: MessageLogResource
     accounts: int
     tally: Tally
 
@@ -98,19 +106,26 @@ async def move(tx: AsyncTransaction, bank: Bank, account: int, amount: int) -> N
     branch = await tx.join(bank.cache)
     in_redis = await branch.incrby(f"balance:{account}", amount)  # reads and watches the key
     await branch.set(f"t:{tx.gtrid}", amount)
+    notices = await tx.join(bank.notices)
+    notices.send(QUEUE, str(amount).encode(), headers={"transfer": tx.gtrid})
     if left < 0 or (in_redis is not None and in_redis < 0):
         raise Overdrawn(f"account {account}")
 
 
-async def run(pg_url: str, redis_url: str, log_dir: Path, args: argparse.Namespace) -> Tally:
+async def run(
+    pg_url: str, redis_url: str, work: Path, args: argparse.Namespace
+) -> tuple[Tally, list[str]]:
+    """The transfers; the tally and the transfer named by every notice in the message log."""
     engine = create_async_engine(pg_url, pool_size=args.concurrency, max_overflow=0)
     pg = AsyncPostgresResource(engine, "bank-pg")
     cache = AsyncRedisResource.from_url(redis_url, "bank-redis")
-    tm = TransactionManager("bank", FileDecisionLog(log_dir), [pg, cache])
+    mlog = MessageLog(work / "notices")
+    notices = MessageLogResource(mlog, "bank-notices")
+    tm = TransactionManager("bank", FileDecisionLog(work / "log"), [pg, cache, notices])
     atm = AsyncTransactionManager(tm, max_workers=args.concurrency)
     rng = random.Random(args.seed)
     tally = Tally()
-    bank = Bank(atm, pg, cache, args.accounts, tally)
+    bank = Bank(atm, pg, cache, notices, args.accounts, tally)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(seed: int) -> None:
@@ -122,15 +137,17 @@ async def run(pg_url: str, redis_url: str, log_dir: Path, args: argparse.Namespa
         in_doubt = tm.in_doubt()
         if in_doubt:
             tally.given_up.append(f"in doubt: {in_doubt}")
+        sent = [message.headers["transfer"] for _, message in mlog.pending(QUEUE)]
     finally:
         await atm.aclose()
         await engine.dispose()
         await pg.aclose()
         await cache.aclose()
-    return tally
+        mlog.close()
+    return tally, sent
 
 
-def audit(pg_url: str, redis_url: str, accounts: int) -> list[str]:
+def audit(pg_url: str, redis_url: str, accounts: int, sent: list[str]) -> list[str]:
     """Every rule the module docstring names; an empty list when they all hold."""
     problems = []
     engine = create_engine(pg_url)
@@ -149,6 +166,11 @@ def audit(pg_url: str, redis_url: str, accounts: int) -> list[str]:
         problems.append(f"conservation: {in_pg} + {in_redis} != {2 * accounts * OPENING}")
     if rows != recorded:
         problems.append(f"atomicity: recorded on one side only: {sorted(rows ^ recorded)[:5]}")
+    twice = sorted(g for g in set(sent) if sent.count(g) > 1)
+    if twice:
+        problems.append(f"notices sent more than once: {twice[:5]}")
+    if set(sent) != rows:
+        problems.append(f"notices and transfers differ: {sorted(set(sent) ^ rows)[:5]}")
     if prepared:
         problems.append(f"PostgreSQL still holds prepared transactions: {prepared}")
     if staged:
@@ -185,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         seed.close()
         pg_url = make_url(sync_url).set(drivername="postgresql+psycopg").render_as_string(False)
         started = time.perf_counter()
-        tally = asyncio.run(run(pg_url, redis_server.url(), work / "log", args))
+        tally, sent = asyncio.run(run(pg_url, redis_server.url(), work, args))
         took = time.perf_counter() - started
         print(
             f"{args.transfers} transfers, {args.concurrency} at once, in {took:.2f} s: "
             f"{tally.committed} committed, {tally.overdrawn} refused (overdrawn), "
             f"{tally.retries} retries after a no vote"
         )
-        problems = audit(sync_url, redis_server.url(), args.accounts)
+        problems = audit(sync_url, redis_server.url(), args.accounts, sent)
         problems += [f"gave up: {what}" for what in tally.given_up]
     finally:
         redis_server.remove()
@@ -203,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         print(
             "audit: ok (money conserved, every transfer on both sides or neither, "
-            "nothing prepared, staged or pending)"
+            "one notice per transfer, nothing prepared, staged or pending)"
         )
     return 1 if problems else 0
 
