@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coordinator import FileDecisionLog, TransactionManager, TransactionRolledBack
+from coordinator import FileDecisionLog, TransactionManager, TransactionRolledBack, crashpoints
 from coordinator.aio import AsyncTransactionManager
 from resource_managers.postgres.aio import AsyncPostgresResource
 from resource_managers.redis.aio import AsyncRedisResource
@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--seed", default="0")
     parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--trace", action="store_true", help="print POINT <name> at each point")
     args = parser.parse_args(argv)
+    if args.trace:
+        crashpoints.observe(lambda name: say("POINT", name))
     if args.command == "run":
         asyncio.run(transfers(args))
     elif args.command == "bank":

@@ -45,14 +45,27 @@ WORKER = Path(__file__).with_name("async_worker.py")
 OPENING = 1000
 COMMITTED, ROLLED_BACK = "committed", "rolled-back"
 
+#: every point a transfer of the async path reaches, in the order it reaches them
+#: (`test_the_matrix_names_every_point_of_the_async_path` keeps this list whole)
 SCENARIOS = [
-    ("tm.after_prepare.1", ROLLED_BACK),  # Redis prepared, PostgreSQL not asked yet
+    ("tm.before_prepare", ROLLED_BACK),  # the work done, nothing prepared
+    ("redis.cache.after_stage", ROLLED_BACK),  # Redis's write set staged, no marker yet
     ("redis.cache.after_prepare_marker", ROLLED_BACK),  # inside Redis's prepare
+    ("tm.after_prepare.1", ROLLED_BACK),  # Redis prepared, PostgreSQL not asked yet
     ("postgres.pg.after_prepare", ROLLED_BACK),  # both prepared, on the completion thread
+    ("tm.after_prepare.2", ROLLED_BACK),  # both votes heard
     ("tm.before_decision_write", ROLLED_BACK),  # both prepared, no decision
+    ("log.before_write", ROLLED_BACK),  # the decision's record not written
+    ("log.after_write", COMMITTED),  # written, not fsynced: a killed process leaves it on disk
+    ("log.after_fsync", COMMITTED),
     ("tm.after_decision_fsync", COMMITTED),  # decided, nobody told
+    ("redis.cache.after_apply", COMMITTED),  # Redis applied its write set, marker not cleared
     ("tm.after_commit.1", COMMITTED),  # Redis committed, PostgreSQL still prepared
+    ("tm.after_commit.2", COMMITTED),  # both committed, no END record
+    ("tm.before_end_record", COMMITTED),
 ]
+#: the first point whose kill leaves the decision on disk: every later one commits
+DECIDED_AT = "log.after_write"
 
 
 def worker(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -146,6 +159,27 @@ def test_async_crash_then_recovery(
         verdict="ok" if not problems else "FAIL " + ",".join(p.split(":")[0] for p in problems),
     )
     assert not problems, "\n".join(problems)
+
+
+def test_the_matrix_names_every_point_of_the_async_path(
+    make_pg_database: Callable[[], str], redis_url: str, tmp_path: Path
+) -> None:
+    """The worker, traced (every crash point it reaches printed in order), reaches exactly the
+    points of `SCENARIOS` in its second transfer, once each and in that order; the ones from the
+    decision's write on are the ones expected to commit. A point added to the async path fails
+    here until the matrix kills there too."""
+    _, url = fresh_database(make_pg_database, 1, 1)
+    common = ["--pg", url, "--redis", redis_url, "--log", str(tmp_path / "log")]
+    run = worker("run", *common, "--count", "2", "--trace")
+    assert run.returncode == 0, run.stderr
+    lines = [line.split() for line in run.stdout.splitlines()]
+    second_begin = [i for i, words in enumerate(lines) if words[0] == "BEGIN"][1]
+    second_ack = [i for i, words in enumerate(lines) if words[0] == "ACK"][1]
+    reached = [w[1] for w in lines[second_begin:second_ack] if w[0] == "POINT"]
+    assert reached == [point for point, _ in SCENARIOS], reached
+    decided = reached.index(DECIDED_AT)
+    for at, (point, expect) in enumerate(SCENARIOS):
+        assert expect == (COMMITTED if at >= decided else ROLLED_BACK), point
 
 
 def test_async_bank_under_random_kills(
