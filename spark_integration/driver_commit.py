@@ -20,8 +20,10 @@ Why it looks like this:
   winner rolled back meanwhile (recovery after its grace, an operator) would otherwise be
   committed as a heuristic rollback, losing that partition. Then nothing is decided and the call
   raises `coordinator.TransactionRolledBack`.
-- Phase two retries a little and leaves stragglers to ``TransactionManager.recover()`` (same
-  names, same log): the decision stays pending until every branch answered.
+- Phase two commits the branches a few at a time in parallel (each is independent once COMMIT
+  is durable, and each waits on its own server), retries a little and leaves stragglers to
+  ``TransactionManager.recover()`` (same names, same log): the decision stays pending until
+  every branch answered, and END is written only after all of them.
 - Without a decision, ``abort`` rolls back every branch under the gtrid prefix. No ABORT record is
   written (presumed abort): a zombie attempt that prepares afterwards stays prepared until
   recovery's grace period passes, and is then rolled back.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +60,10 @@ from .targets import WriteConfig
 log = logging.getLogger("twopc.spark.driver")
 
 COMMIT_TRIES = 3
+#: branches committed at once in phase two: each commit is a round trip (a Redis branch's a
+#: server-side apply of its whole staged set) that waits on its server, not on this process, so
+#: a few in flight overlap them; more would only queue on the same servers
+PHASE_TWO_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -191,13 +198,15 @@ def _finish(
     done: list[str] = []
     pending: list[str] = []
     if decided.pending:
-        for bqual in decided.branches:
-            xid = Xid.branch_of(decided.gtrid, bqual)
-            owner = resource_of(bqual, resources)
-            if owner is not None and _commit(resources[owner], xid, decision_log):
-                done.append(xid.to_gid())
-            else:
-                pending.append(xid.to_gid())
+        xids = [Xid.branch_of(decided.gtrid, bqual) for bqual in decided.branches]
+
+        def finish_one(xid: Xid) -> bool:
+            owner = resource_of(xid.bqual, resources)
+            return owner is not None and _commit(resources[owner], xid, decision_log)
+
+        with ThreadPoolExecutor(min(PHASE_TWO_WORKERS, len(xids)) or 1) as pool:
+            for xid, ok in zip(xids, pool.map(finish_one, xids), strict=True):
+                (done if ok else pending).append(xid.to_gid())
         if not pending:
             try:
                 decision_log.log_end(decided.gtrid)
@@ -221,6 +230,7 @@ def _commit(resource: Resource[Any], xid: Xid, decision_log: DecisionLog) -> boo
             log.warning("commit of %s failed (try %d): %r", xid, attempt + 1, exc)
             time.sleep(0.05 * 2**attempt)
             continue
+        crash_point("spark.driver_after_branch_commit")
         result = branch_result(reported)
         if result != BranchResult.DONE:
             log.error("heuristic outcome %s on %s", result.value, xid)

@@ -303,12 +303,17 @@ def _insert_postgres(
 
 
 def _write_redis(target: RedisTarget, branch: Any, chunk: list[Mapping[str, Any]]) -> int:
+    """Buffer the chunk in the branch. ``set``: one ``mset`` of the chunk (the same SETs, in
+    order, a later row's value winning as it would one row at a time), which a blind branch
+    buffers in one step: per-row calls were two thirds of a Redis partition's executor time."""
+    if target.op == "set":
+        assert target.value is not None
+        render_key, render_value = target.key.render, target.value.render
+        branch.mset({render_key(row): render_value(row) for row in chunk})
+        return len(chunk)
     for row in chunk:
         key = target.key.render(row)
-        if target.op == "set":
-            assert target.value is not None
-            branch.set(key, target.value.render(row))
-        elif target.op == "hset":
+        if target.op == "hset":
             assert target.value is not None and target.field is not None
             branch.hset(key, target.field.render(row), target.value.render(row))
         else:

@@ -91,12 +91,18 @@ class Template:
         return cls(text, tuple(fields))
 
     def render(self, row: Mapping[str, object]) -> str:
-        missing = [f for f in self.fields if f not in row]
-        if missing:
+        """The text with the row's columns in it. Straight through ``format_map``: with plain
+        names only (checked by `parse`) it reads ``row[name]`` and nothing else, and this runs
+        once per row and target (a third of a Redis partition's staging, measured)."""
+        try:
+            return self.text.format_map(row)
+        except KeyError:
+            missing = [f for f in self.fields if f not in row]
+            if not missing:
+                raise
             raise ConfigurationError(
                 f"template {self.text!r}: the row has no column {missing[0]!r}"
-            )
-        return self.text.format_map({f: row[f] for f in self.fields})
+            ) from None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ _STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})\Z")
 
 def encode(value: object, what: str = "value") -> bytes:
     """bytes as they are, str as UTF-8, int and float as redis-py writes them; nothing else."""
+    if type(value) is str:  # the common exact types first: this runs for every key and value
+        return value.encode("utf-8")
+    if type(value) is bytes:
+        return value
     if isinstance(value, bytes):
         return value
     if isinstance(value, bytearray | memoryview):

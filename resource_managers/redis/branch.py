@@ -161,6 +161,13 @@ class RedisBranch:
         ops = [Op("SET", self._key(name), (ws.encode(value),)) for name, value in mapping.items()]
         if not ops:
             raise ProgrammingError("mset needs at least one key")
+        if self._blind:  # nothing to read or answer: buffer them all at once, as `_write` would
+            self.check_active()
+            self.ops += ops
+            by_key = self._by_key
+            for op in ops:
+                by_key.setdefault(op.key, []).append(op)
+            return True
         for op in ops:
             self._write(op)
         return True

@@ -24,6 +24,7 @@ from coordinator import (
     FileDecisionLog,
     HeuristicError,
     Outcome,
+    ProgrammingError,
     TransactionRolledBack,
     TransientError,
     Vote,
@@ -278,6 +279,26 @@ def test_blind_writes_neither_read_nor_watch(client: redis.Redis) -> None:
     assert blind.prepare(xid(1)) == Vote.COMMIT
     blind.commit(xid(1))
     assert client.get("k") == b"11"
+
+
+def test_a_blind_mset_buffers_what_one_set_per_key_would(client: redis.Redis) -> None:
+    """The Spark writer stages a chunk with one ``mset``, which a blind branch buffers in one
+    step: the ops, the overlay and the committed values are those of a SET per key."""
+    blind = RedisResource(client, "cache", blind_writes=True)
+    one_by_one = blind.start(xid(1))
+    for name, value in (("a", "1"), ("b", 2), ("a", "3")):
+        one_by_one.set(name, value)
+    blind.rollback(xid(1))
+    b = blind.start(xid(2))
+    assert b.mset({"a": "1", "b": 2}) is True and b.mset({"a": "3"}) is True
+    assert b.ops == one_by_one.ops
+    assert (b.get("a"), b.get("b")) == (b"3", b"2")
+    assert blind.prepare(xid(2)) == Vote.COMMIT
+    blind.commit(xid(2))
+    assert (client.get("a"), client.get("b")) == (b"3", b"2")
+    with pytest.raises(ProgrammingError):
+        blind.start(xid(3)).mset({"c": True})  # checked before anything is buffered
+    blind.rollback(xid(3))
 
 
 def test_a_wrong_write_is_refused_at_the_call_when_the_server_shows_it(

@@ -230,6 +230,30 @@ def test_driver_crash_after_the_decision_replays_the_batch_as_a_no_op(
     assert sorted(ledger_rows(stores).values()) == [1] * BATCHES
 
 
+def test_driver_killed_between_branch_commits_of_phase_two_finishes_on_replay(
+    stores: Stores, children: Callable[..., Child], tmp_path: Path
+) -> None:
+    """Phase two commits branches in parallel (`driver_commit.PHASE_TWO_WORKERS`): the driver
+    dies after batch 1's first branch committed and before the rest answered (``:4``: batch 0's
+    commit reached the point three times, once per branch, in the same reused worker). The
+    decision stays pending with some branches committed and some prepared; the restarted query
+    finishes it with the recorded winners, and every row is there once."""
+    n = csv_batches(tmp_path / "in")
+    args = stream_args(tmp_path, stores.options)
+    point = "spark.driver_after_branch_commit"
+    child = children("crashed", *args, crash_at=f"{point}:4")
+    child.wait_for(lambda: crash_line(point)(child), "crash point line")
+    child.kill_group()
+    assert stores.pending_decisions() == 1  # decided, phase two cut short
+    assert len(stores.prepared()) <= 2  # at least one of pg, redis, ledger committed
+    assert commits_of(tmp_path / "checkpoint") == [0]
+
+    restarted = children("restarted", *args)
+    assert finish_query(restarted) == list(range(BATCHES))
+    stores.expect_exactly_once(n)
+    assert sorted(ledger_rows(stores).values()) == [1] * BATCHES
+
+
 # -- 2. the driver dies before the decision ---------------------------------------------------
 
 

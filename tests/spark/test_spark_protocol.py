@@ -367,6 +367,24 @@ def test_constraint_violation_fails_the_attempt_and_leaves_nothing_prepared(env:
         assert conn.execute(text("SELECT count(*) FROM strict_items")).scalar_one() == 0
 
 
+def test_a_template_column_missing_from_the_rows_is_named_and_nothing_stays_prepared(
+    env: Env,
+) -> None:
+    """Templates render straight through ``format_map``; a row without a column the template
+    names still fails with the column's name, and the attempt leaves nothing behind."""
+    options = {**env.options, "redis.value": "{nickname}"}
+    with pytest.raises(ConfigurationError, match="no column 'nickname'"):
+        write_partition(
+            options,
+            [{"id": 1, "name": "n1"}],
+            partition=0,
+            attempt=0,
+            task_attempt_id=0,
+            batch_id=1,
+        )
+    assert env.prepared() == []
+
+
 def test_ids_fit_postgres_gid_limit() -> None:
     gtrid = make_gtrid("a" * 24)  # the longest appId with a uuid suffix
     assert len(gtrid) <= 64
