@@ -102,10 +102,12 @@ def test_late_and_lost_prepare_replies_with_a_consumer_kill(cluster_factory) -> 
         print("reply faults:", dict(proxy.stats), "audit:", report)
 
 
-#: Set to 1 to run every case below; by default CI runs the first of each group (`CORE`): one
-#: kill per process and phase. Each case is a whole cluster of processes (~40 s), and every point
-#: left to the full run is killed in other kill tests too (the log's and the cursor's own in
-#: tests/integration/test_message_log.py and test_cursor.py, the routed, partitioned and
+#: Set to 1 to run every case below; by default CI runs `CORE`: a kill in each process at its
+#: main steps (the transfer's points are killed in the routed and partitioned cluster tests too,
+#: the consumer after its decision in the late-replies test above). Each case is a whole cluster
+#: of processes (~40 s), and every point left to the full run is killed in other kill tests
+#: too (the log's and the cursor's own in tests/integration/test_message_log.py and
+#: test_cursor.py, the routed, partitioned and
 #: many-log crash tests and tests/crash/test_precount.py; the coordinator's in the crash
 #: matrices), so the default keeps the multi-process interplay at every kind of step while the
 #: suite stays inside its time budget.
@@ -115,16 +117,16 @@ FULL = os.environ.get(FULL_ENV) == "1"
 CORE = [
     ("log", "mlog.mlog.after_prepare:3"),
     ("log", "xfer.log.after_send:2"),
-    ("log", "xfer.log.before_compact:2"),
-    ("cursor", "xfer.cursor.after_ack:2"),
     ("cursor", "cursor.cursor.after_prepare:4"),
     ("cursor", "cursor.after_precount:4"),
     ("producer-p0", "tm.after_decision_fsync:3"),
     ("producer-p0", "remote.mlog.commit_sent:3"),  # phase two sent, its answer not awaited
-    ("consumer-c0", "tm.after_decision_fsync:4"),
     ("consumer-c0", "remote.cursor.commit_sent:4"),
 ]
 MORE = [
+    ("consumer-c0", "tm.after_decision_fsync:4"),
+    ("cursor", "xfer.cursor.after_ack:2"),
+    ("log", "xfer.log.before_compact:2"),
     ("log", "mlog.mlog.after_append:3"),
     ("log", "mlog.mlog.after_commit:3"),
     ("cursor", "xfer.cursor.after_persist:2"),
