@@ -52,10 +52,12 @@ tm.close()
 """
 
 
-def instructions(script: Path, kind: str, n: int) -> int:
+def instructions(script: Path, *args: object) -> int:
+    """Instructions callgrind counts for one run of ``script`` with ``args`` (also used by
+    `producer_instructions.py`)."""
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-         sys.executable, str(script), kind, str(n)],
+         sys.executable, str(script), *map(str, args)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -87,18 +85,6 @@ mlog.close()
 """
 
 
-def instructions(script: Path, row: str, n: int, dsn: str, url: str) -> int:
-    out = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-         sys.executable, str(script), row, str(n), dsn, url],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
-    if found is None:
-        raise SystemExit(f"no instruction count in valgrind's output:\n{out.stderr[-2000:]}")
-    return int(found.group(1))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -109,6 +95,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     import messaging_baselines as base  # type: ignore[import-not-found]
+    from coordinator_instructions import instructions  # type: ignore[import-not-found]
 
     from resource_managers.throwaway import PostgresServer
 
