@@ -24,11 +24,12 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from . import _last_resource, protocol, tracing
 from ._verbs import BATCH, LAZY, SEND, verbs_of_branches
 from .batch_commit import batch_committer, batches
+from .carried import carries, rides
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog, HeuristicRecord
 from .early_prepare import send_prepare, senders
@@ -51,6 +52,7 @@ from .resource import Outcome, Vote
 from .states import TxState
 
 if TYPE_CHECKING:
+    from .carried import CarriedBranches, CarryingLastResource
     from .transaction import Branch, Transaction
 
 log = logging.getLogger("twopc.completion")
@@ -258,25 +260,39 @@ def _two_phase(tx: Transaction) -> Outcome:
 
 def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     """Logging last resource: prepare every other branch, then commit ``last`` in one phase
-    with the decision row inside it (the commit point), then commit the others."""
+    with the decision row inside it (the commit point), then commit the others.
+
+    A branch that can ride the last resource's commit (`carried`) stages its state instead of
+    preparing it: the decision row carries the payload, and after the commit the branch applies
+    it with a lazy record, which the end latch waits for before the row may go."""
     started = time.perf_counter()
     others = [b for b in tx.ordered_branches() if b is not last]
+    riders = [b for b in others if rides(b.resource)] if carries(last.resource) else []
+    carried: list[tuple[str, bytes]] = []
+    if riders:
+        others = [b for b in others if not rides(b.resource)]
+        failure = _stage(tx, riders, carried)
+        if failure is not None:
+            names = [b.resource.name for b in (*riders, *others)]
+            return _abort(tx, (*names, last.resource.name), failure)
     votes, error = _phase_one(tx, others)
     took = time.perf_counter() - started
     tx.timings.append(("prepare", took))
     if tx.trace is not None:
         tx.trace.step("prepare", time.time_ns() - int(took * 1e9))
     result = protocol.tally([b.resource.name for b in others], votes)
+    staged = tuple(name for name, _ in carried)
     if result.verdict == Verdict.ABORT:
-        return _abort(tx, (*result.rollback, last.resource.name), error)
-    if result.verdict == Verdict.READ_ONLY:  # alone now: its own commit decides, no row needed
+        return _abort(tx, (*staged, *result.rollback, last.resource.name), error)
+    if result.verdict == Verdict.READ_ONLY and not carried:
+        # alone now: its own commit decides, no row needed
         refused = _last_resource.commit_alone(tx)
         if refused is not None:
             _abort(tx, (last.resource.name,), refused)
         return _one_phase(tx, last)
     if len(result.commit) < len(others):
         crash_point("tm.read_only.after_vote")
-    failure = _last_resource.commit_point(tx, last, result.commit)
+    failure = _last_resource.commit_point(tx, last, result.commit, tuple(carried))
     if isinstance(failure, OutcomeUnknownError):
         _finish(tx, TxState.UNKNOWN, None)  # tx.llr_in_doubt: recovery reads the row
         raise OutcomeUnknownError(
@@ -285,16 +301,81 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
             gtrid=tx.gtrid,
         ) from failure
     if failure is not None:
-        _abort(tx, (*result.commit, last.resource.name), failure)
+        _abort(tx, (*staged, *result.commit, last.resource.name), failure)
     crash_point("tm.llr.after_commit")
     if tx.last_carries:  # the log's own record: END into the log, as after a forced decision
         return _commit_decided(tx, result.commit)
     resource = _last_resource.as_last(last.resource)
-    return _commit_decided(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
+    if not carried:
+        return _commit_decided(tx, result.commit, lambda: resource.end_decision(tx.gtrid))
+    latch = EndLatch()
+    _apply_carried(tx, carried, latch)
+    holder = cast("CarryingLastResource", resource)
+    forget = functools.partial(_forget_carried, tx, staged)
+    end = functools.partial(holder.end_decision, tx.gtrid, then=forget)
+    return _commit_decided(tx, result.commit, end, latch)
+
+
+def _stage(
+    tx: Transaction, riders: list[Branch], carried: list[tuple[str, bytes]]
+) -> BaseException | None:
+    """Stage every rider (`carried`): its payload joins ``carried``; a failure is a no vote."""
+    for branch in riders:
+        started = time.time_ns() if tx.trace is not None else 0
+        try:
+            payload = cast("CarriedBranches", branch.resource).stage(branch.xid)
+        except Exception as exc:
+            log.info("branch %s voted no: %r", branch.xid, exc)
+            if tx.trace is not None:
+                _traced(tx, "prepare", started, branch, exc)
+            return exc
+        if tx.trace is not None:
+            _traced(tx, "prepare", started, branch)
+        if payload is not None:
+            carried.append((branch.resource.name, payload))
+    crash_point("tm.carried.after_stage")
+    return None
+
+
+def _apply_carried(tx: Transaction, carried: list[tuple[str, bytes]], latch: EndLatch) -> None:
+    """After the commit point: each rider applies its payload lazily; the latch holds the row
+    until every one is durable. A rider that fails is left to recovery, which restores it from
+    the row (its hold is never released, so the row stays)."""
+    for name, payload in carried:
+        branch = tx.branches[name]
+        started = time.time_ns() if tx.trace is not None else 0
+        try:
+            rider = cast("CarriedBranches", branch.resource)
+            rider.commit_carried(branch.xid, payload, latch.hold())
+        except Exception as exc:
+            if tx.trace is not None:
+                _traced(tx, "commit", started, branch, exc)
+            log.warning("carried commit of %s not applied, left to recovery: %r", branch.xid, exc)
+            tx.runtime.metrics.incr("commit_unreachable")
+            tx.unconfirmed.add(name)
+            continue
+        if tx.trace is not None:
+            _traced(tx, "commit", started, branch)
+    tx.runtime.metrics.incr("carried_branches", len(carried))
+
+
+def _forget_carried(tx: Transaction, names: tuple[str, ...]) -> None:
+    """The decision row is gone: the riders may stop remembering their carried commits (a
+    lost forget is repeated by recovery, which finds the gid remembered and no row)."""
+    crash_point("tm.carried.before_forget")
+    for name in names:
+        branch = tx.branches[name]
+        try:
+            cast("CarriedBranches", branch.resource).forget_carried([branch.xid.to_gid()])
+        except Exception as exc:  # housekeeping: the next recovery pass forgets it
+            log.warning("forget of carried commit %s failed: %r", branch.xid, exc)
 
 
 def _commit_decided(
-    tx: Transaction, names: tuple[str, ...], end: Callable[[], None] | None = None
+    tx: Transaction,
+    names: tuple[str, ...],
+    end: Callable[[], None] | None = None,
+    latch: EndLatch | None = None,
 ) -> Outcome:
     """Phase two of a decided transaction: here, or with ``async_phase_two`` on a background
     worker while the caller goes on (Narayana's asyncCommit).
@@ -310,26 +391,29 @@ def _commit_decided(
         tx.handed_off = True
         try:
             runtime.phase_two_executor().submit(
-                contextvars.copy_context().run, _phase_two_behind, tx, names, end
+                contextvars.copy_context().run, _phase_two_behind, tx, names, end, latch
             )
         except RuntimeError:  # the manager is closing: recovery re-drives it after restart
             runtime.async_slots.release()
             tx.handed_off = False
-            return _phase_two(tx, names, end)
+            return _phase_two(tx, names, end, latch)
         crash_point("tm.async_phase_two.handed_off")
         runtime.metrics.incr("async_phase_two")
         return Outcome.COMMITTED
-    return _phase_two(tx, names, end)
+    return _phase_two(tx, names, end, latch)
 
 
 def _phase_two_behind(
-    tx: Transaction, names: tuple[str, ...], end: Callable[[], None] | None
+    tx: Transaction,
+    names: tuple[str, ...],
+    end: Callable[[], None] | None,
+    latch: EndLatch | None,
 ) -> None:
     """The background half of `_commit_decided`: nobody waits for it, so what it cannot tell a
     caller it logs (a heuristic outcome is also forced into the decision log by `judge_commit`,
     where `twopc heuristics` shows it)."""
     try:
-        _phase_two(tx, names, end)
+        _phase_two(tx, names, end, latch)
     except HeuristicError as exc:
         log.error("asynchronous phase two of %s: %s", tx.gtrid, exc)
     except Exception:
@@ -509,14 +593,19 @@ def _write_decision(tx: Transaction, decision: Decision) -> BaseException | None
 
 
 def _phase_two(
-    tx: Transaction, names: tuple[str, ...], end: Callable[[], None] | None = None
+    tx: Transaction,
+    names: tuple[str, ...],
+    end: Callable[[], None] | None = None,
+    latch: EndLatch | None = None,
 ) -> Outcome:
-    """Commit ``names``; once all answered, ``end`` (default: END into the decision log)."""
+    """Commit ``names``; once all answered, ``end`` (default: END into the decision log).
+    ``latch``: one already holding carried branches' records (`_apply_carried`)."""
     started = time.perf_counter()
     branches = [tx.branches[name] for name in names]
     verbs = tx.verbs  # phase one looked them up: these branches are among the ones it asked
     # a latch only where a branch can commit lazily: the plain path allocates nothing
-    latch = EndLatch() if verbs & LAZY else None
+    if latch is None and verbs & LAZY:
+        latch = EndLatch()
     grouped = batches(branches) if verbs & BATCH and len(branches) > 1 else None
     answers: Iterator[BranchResult]
     if grouped is not None:

@@ -52,8 +52,14 @@ def commit_alone(tx: Transaction) -> TransactionTimedOut | None:
     return None
 
 
-def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> BaseException | None:
-    """Commit ``last`` with the decision for ``branches``; returns why it did not, if it did not.
+def commit_point(
+    tx: Transaction,
+    last: Branch,
+    branches: tuple[str, ...],
+    carried: tuple[tuple[str, bytes], ...] = (),
+) -> BaseException | None:
+    """Commit ``last`` with the decision for ``branches`` (and the ``carried`` branches'
+    payloads, `coordinator.carried`); returns why it did not, if it did not.
 
     State afterwards: COMMITTING (committed), UNKNOWN (`OutcomeUnknownError` returned: the row
     may exist; recovery reads it), or ROLLING_BACK (certainly not committed).
@@ -61,7 +67,7 @@ def commit_point(tx: Transaction, last: Branch, branches: tuple[str, ...]) -> Ba
     crash_point("tm.llr.before_commit")
     started = time.perf_counter()
     with tx._lock:
-        failure = _commit(tx, last, Decision(tx.gtrid, branches, tx.wall_deadline))
+        failure = _commit(tx, last, Decision(tx.gtrid, branches, tx.wall_deadline, 0.0, carried))
     if failure is None:
         took = time.perf_counter() - started
         tx.timings.append(("decision", took))

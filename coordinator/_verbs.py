@@ -3,7 +3,7 @@
 Both phases ask this of every branch of every two-phase commit, so the answer is a dictionary
 lookup by class (a missing attribute would cost an exception inside ``getattr`` each time), and
 one lookup answers for every optional verb: `lazy_commit`'s ``commit_lazily``, `batch_commit`'s
-``commit_batch`` and `early_prepare`'s ``send_prepare``.
+``commit_batch``, `early_prepare`'s ``send_prepare`` and `carried`'s ``stage``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 LAZY = 1  # commit_lazily
 BATCH = 2  # commit_batch and batch_key
 SEND = 4  # send_prepare
+CARRY = 8  # stage (`carried`: a branch the last resource's commit carries)
 
 #: resource class -> its optional verbs (bits); read inline on the hot path, filled by `learn`
 VERBS: dict[type, int] = {}
@@ -21,7 +22,12 @@ VERBS: dict[type, int] = {}
 
 def learn(kind: type) -> int:
     found = 0
-    for bit, verb in ((LAZY, "commit_lazily"), (BATCH, "commit_batch"), (SEND, "send_prepare")):
+    for bit, verb in (
+        (LAZY, "commit_lazily"),
+        (BATCH, "commit_batch"),
+        (SEND, "send_prepare"),
+        (CARRY, "stage"),
+    ):
         if callable(getattr(kind, verb, None)):
             found |= bit
     VERBS[kind] = found

@@ -7,8 +7,15 @@ One pass does, in this order:
    (presumed abort). The last resources are asked once per pass, for every such gtrid at once,
    and the question fences the gtrids without a row (`coordinator.last_resource`); if one cannot
    answer, nothing is presumed this pass;
-3. decision rows of last resources whose transactions have ended are deleted.
+3. branches carried in a decision row (`coordinator.carried`) whose store lost their commit are
+   restored from the row (`_carried_recovery`);
+4. decision rows of last resources whose transactions have ended are deleted, and the carried
+   branches' stores forget them.
 What cannot finish now is retried with back-off on a later pass; nothing is guessed.
+
+Why one module: the steps share one pass's state (the guard, the report, the retries), and their
+order is the safety argument (a row goes only after every branch it decides is settled), so a
+reviewer reads that argument here in one place.
 
 Sub-branches (``<resource>~<tag>``, see `coordinator.xid`) are branches begun by processes this
 manager does not know (Spark executors), so the in-flight guard cannot vouch for them: one whose
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import protocol
+from ._carried_recovery import forget_carried, restore_carried
 from ._completion import judge_commit, record_heuristic, write_end
 from .backoff import Backoff
 from .crashpoints import crash_point
@@ -208,7 +216,11 @@ class Recovery:
                 report.deferred += 1
             prepared[xid.gtrid] -= done
         if complete:
-            self._drop_ended_decisions(lasts, set(+prepared), guard)
+            run = _CarriedPass(self, guard, report)
+            unsettled = restore_carried(run, lasts)
+            if unsettled is not None:  # else a store or a row could not be read: keep every row
+                dropped = self._drop_ended_decisions(lasts, set(+prepared) | unsettled, guard)
+                forget_carried(run, dropped)
 
     def _list(
         self, resource: Resource[Any], report: RecoveryReport, force: bool
@@ -293,9 +305,11 @@ class Recovery:
 
     def _drop_ended_decisions(
         self, lasts: list[LastResource], prepared: set[str], guard: InFlightGuard
-    ) -> None:
+    ) -> set[str]:
         """Delete decision rows no branch needs: not in flight, nothing of theirs prepared (every
-        resource was listed after the guard's snapshot), every branch a configured resource."""
+        resource was listed after the guard's snapshot), every branch a configured resource.
+        Returns the gtrids whose rows were deleted."""
+        dropped: set[str] = set()
         for resource in lasts:
             try:
                 rows = resource.committed_decisions(self.node_id)
@@ -307,8 +321,10 @@ class Recovery:
                     and all(resource_of(b, self.resources) for b in branches)
                 }
                 resource.drop_decisions(sorted(ended))
+                dropped |= ended
             except Exception as exc:  # only housekeeping: the rows are retried next pass
                 log.warning("decision rows of %s not cleaned up: %r", resource.name, exc)
+        return dropped
 
     def _rollback(self, resource: Resource[Any], xid: Xid, report: RecoveryReport) -> bool:
         try:
@@ -351,6 +367,34 @@ class Recovery:
         if self._resolved % PROGRESS_EVERY == 0:
             progress.info("%d branches resolved so far", self._resolved)
         crash_point(f"recovery.after_resolve.{self._resolved}")
+
+
+class _CarriedPass:
+    """What `_carried_recovery` needs of one pass (its `Pass` protocol)."""
+
+    def __init__(self, recovery: Recovery, guard: InFlightGuard, report: RecoveryReport) -> None:
+        self.node_id = recovery.node_id
+        self._recovery, self._guard, self._report = recovery, guard, report
+
+    def ordered(self) -> list[Resource[Any]]:
+        return self._recovery._ordered_resources()
+
+    def owner_of(self, branch: str) -> Resource[Any] | None:
+        owner = resource_of(branch, self._recovery.resources)
+        return None if owner is None else self._recovery.resources.get(owner)
+
+    def in_flight(self, gtrid: str) -> bool:
+        return self._guard.maybe_in_flight(gtrid)
+
+    def failed(self, key: str, error: BaseException | str) -> bool:
+        return self._recovery._failed(key, error, self._report)
+
+    def restored(self, gtrid: str, gid: str) -> None:
+        self._recovery._resolved_one()
+        self._recovery.retries.succeeded(gid)
+        if gtrid not in self._report.committed:
+            self._report.committed.append(gtrid)
+        self._recovery.metrics.incr("recovered_commits")
 
 
 def describe(xid: Xid) -> str:

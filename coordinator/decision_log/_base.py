@@ -28,13 +28,16 @@ class Decision:
     ``branches`` are the resource names (bquals) that voted to commit, in commit order. ``deadline``
     is wall-clock seconds since the epoch after which this coordinator may no longer write the
     decision: recovery elsewhere may already have presumed abort (fencing by time, as Atomikos'
-    ``OltpLogImp``); None means no deadline.
+    ``OltpLogImp``); None means no deadline. ``carried``: the branches a last resource's commit
+    carries as payloads (`coordinator.carried`), (name, payload) pairs; only a last resource's
+    decision row holds them, a decision log never sees any.
     """
 
     gtrid: str
     branches: tuple[str, ...]
     deadline: float | None = None
     written_at: float = 0.0
+    carried: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass(frozen=True)

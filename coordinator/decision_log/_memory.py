@@ -92,7 +92,7 @@ def admit(decision: Decision, clock: Clock) -> Decision:
         )
     if decision.written_at:
         return decision
-    return Decision(decision.gtrid, decision.branches, decision.deadline, now)
+    return Decision(decision.gtrid, decision.branches, decision.deadline, now, decision.carried)
 
 
 class MemoryDecisionLog:

@@ -79,6 +79,7 @@ class LogBase:
     _inflight: dict[str, set[int]]  # stream -> numbers taken whose commit is not published
     _held: dict[str, int]  # destination -> prepared-but-uncommitted messages
     _volatile_prepared: dict[str, list[Message]]
+    _staged: dict[str, list[Message]]  # gid -> a carried branch's messages (`._carried`)
     version: int  # bumped whenever messages become visible
     _journal: Journal
     _compaction: Compaction

@@ -92,11 +92,17 @@ class BranchOps(LogBase):
             check_message(message, max_bytes=self.max_message_bytes)
 
     def commit(
-        self, gid: str, messages: list[Message] | None = None, *, after_append: str = ""
+        self,
+        gid: str,
+        messages: list[Message] | None = None,
+        *,
+        after_append: str = "",
+        remember: bool = False,
     ) -> None:
         """Number and publish a prepared branch, or, with ``messages``, commit them in one phase.
         A gid that is neither prepared nor given messages is a repeat: nothing to do.
-        ``after_append`` names the crash point between the durable record and publication."""
+        ``after_append`` names the crash point between the durable record and publication;
+        ``remember``: a one-phase commit of a carried branch (`._carried`) keeps its gid."""
         one_phase = messages is not None
         if messages is not None:
             self._judge(messages)
@@ -123,14 +129,7 @@ class BranchOps(LogBase):
             return
         try:
             if durable or (not one_phase and gid in self._state.prepared):
-                record: dict[str, Any] = {"k": "C", "g": gid, "s": [list(n) for n in numbers]}
-                if one_phase:
-                    record = {
-                        "k": "1",
-                        "g": gid,
-                        "m": [message_obj(m) for m in durable],
-                        "s": record["s"],
-                    }
+                record = _commit_record(gid, numbers, durable if one_phase else None, remember)
                 self._append([record], force=True)
                 if after_append:
                     crash_point(after_append)
@@ -262,3 +261,17 @@ class BranchOps(LogBase):
         """Prepared branches, and those whose lazy commit record is not durable yet."""
         with self._lock:
             return sorted({*self._state.prepared, *self._volatile_prepared, *self._settling})
+
+
+def _commit_record(
+    gid: str, numbers: list[tuple[str, int]], one_phase: list[Message] | None, remember: bool
+) -> dict[str, Any]:
+    """A ``C`` record, or with the messages of a one-phase commit a ``1`` (``r``: carried)."""
+    numbered = [list(n) for n in numbers]
+    if one_phase is None:
+        return {"k": "C", "g": gid, "s": numbered}
+    record: dict[str, Any] = {"k": "1", "g": gid, "m": [message_obj(m) for m in one_phase]}
+    record["s"] = numbered
+    if remember:
+        record["r"] = 1
+    return record

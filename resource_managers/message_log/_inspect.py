@@ -11,11 +11,12 @@ from ._records import decode
 KINDS = {
     "O": "OPEN", "P": "PREPARE", "C": "COMMIT", "1": "ONE_PHASE_COMMIT", "R": "ROLLBACK",
     "F": "FORGET", "A": "ACKNOWLEDGED", "D": "DROPPED", "S": "STREAM", "Q": "MESSAGE",
+    "K": "REMEMBERED", "W": "FORGET_CARRIED",
 }  # fmt: skip
 FIELDS = {
     "n": "number", "m": "messages", "s": "numbered", "t": "at_ms", "q": "stream", "e": "epoch",
     "u": "acknowledged_to", "l": "numbers", "x": "next", "a": "acknowledged", "o": "message",
-    "O.n": "incarnation", "O.i": "identity", "Q.n": "seq",
+    "w": "gids", "r": "carried", "O.n": "incarnation", "O.i": "identity", "Q.n": "seq",
 }  # fmt: skip
 
 

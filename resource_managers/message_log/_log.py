@@ -50,6 +50,7 @@ from ._base import (
     now_ms,
 )
 from ._branches import BranchOps
+from ._carried import CarriedOps
 from ._partition import parse_stream
 from ._reader import ReaderOps
 from ._records import Message, decode
@@ -63,7 +64,7 @@ def _random_bits() -> int:
     return secrets.randbits(INCARNATION_BITS)
 
 
-class MessageLog(BranchOps, ReaderOps):
+class MessageLog(BranchOps, CarriedOps, ReaderOps):
     """Prepared branches and committed messages in ``directory``, locked to this process.
 
     ``max_message_bytes``: a message's body plus headers. ``max_destination_messages``: committed
@@ -106,6 +107,7 @@ class MessageLog(BranchOps, ReaderOps):
         self._inflight: dict[str, set[int]] = {}
         self._held: dict[str, int] = {}  # destination -> prepared-but-uncommitted messages
         self._volatile_prepared: dict[str, list[Message]] = {}
+        self._staged: dict[str, list[Message]] = {}  # carried branches (`._carried`)
         self.version = 0  # bumped whenever messages become visible
         self._journal = Journal(
             self.directory,

@@ -12,13 +12,16 @@ Kinds (``k``):
   first open that finds none chooses one and writes it here, in the same forced record).
 - ``P`` prepare: ``g`` gid, ``m`` the persistent messages (forced).
 - ``C`` commit: ``g`` gid, ``s`` one ``[stream, seq]`` per message of its ``P``, in order (forced).
-- ``1`` one-phase commit: ``g``, ``m`` and ``s`` together, in one forced write.
+- ``1`` one-phase commit: ``g``, ``m`` and ``s`` together, in one forced write; with ``r`` (1)
+  a carried branch's commit (`._carried`: lazy, and the gid is remembered until ``W``).
 - ``R`` rollback: ``g``, ``t`` wall-clock ms: the tombstone (lazy).
 - ``F`` forget: ``g`` (lazy).
 - ``A`` acknowledged: ``q`` stream, ``e`` epoch, ``u`` up to and including this number (lazy).
 - ``D`` dropped (expired): ``q`` stream, ``e`` epoch, ``l`` the numbers (lazy).
 - ``S`` stream state, carried by rollover: ``q``, ``e``, ``x`` next number, ``a`` acknowledged.
 - ``Q`` a committed unacknowledged message, carried by rollover: ``q``, ``n`` number, ``o``.
+- ``K`` remembered carried commits, carried by rollover: ``w`` their gids.
+- ``W`` forget carried commits (their decision rows are gone): ``w`` the gids (lazy).
 """
 
 from __future__ import annotations
@@ -164,6 +167,8 @@ def decode(payload: bytes) -> dict[str, Any]:
             _CHECKS[key](obj[key])
         if kind == "O" and "i" in obj:
             _identity(obj["i"])
+        if "r" in obj and (kind != "1" or obj["r"] != 1):
+            raise TypeError("only a one-phase commit is carried (r: 1)")
         return obj
     except (ValueError, KeyError, TypeError, binascii.Error) as exc:
         raise LogCorruptionError(
@@ -227,6 +232,13 @@ def _ints(value: object) -> None:
         _int(n)
 
 
+def _strs(value: object) -> None:
+    if not isinstance(value, list):
+        raise TypeError("gids are not a list")
+    for gid in value:
+        _str(gid)
+
+
 def _numbers(value: object) -> None:
     if not isinstance(value, list):
         raise TypeError("numbers are not a list")
@@ -239,7 +251,7 @@ def _numbers(value: object) -> None:
 
 _CHECKS: dict[str, Any] = {
     "g": _str, "q": _str, "m": _messages, "s": _numbers, "n": _int, "t": _int,
-    "e": _int, "u": _int, "x": _int, "a": _int, "o": to_message, "l": _ints,
+    "e": _int, "u": _int, "x": _int, "a": _int, "o": to_message, "l": _ints, "w": _strs,
 }  # fmt: skip
 _SCHEMA: dict[str, tuple[str, ...]] = {
     "O": ("n",),
@@ -252,4 +264,6 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "D": ("q", "e", "l"),
     "S": ("q", "e", "x", "a"),
     "Q": ("q", "n", "o"),
+    "K": ("w",),
+    "W": ("w",),
 }

@@ -63,6 +63,8 @@ class LogState:
         self.streams: dict[str, Stream] = {}
         self.tombstones: dict[str, int] = {}  # gid -> wall-clock ms of the rollback
         self.committed: set[str] = set()  # gids whose commit record is in the journal
+        #: gids of carried commits (``1`` with ``r``) whose decision row may still exist
+        self.remembered: set[str] = set()
 
     def stream(self, name: str) -> Stream:
         found = self.streams.get(name)
@@ -86,6 +88,10 @@ class LogState:
             self.tombstones[r["g"]] = r["t"]
         elif kind == "F":
             self.tombstones.pop(r["g"], None)
+        elif kind == "K":
+            self.remembered.update(r["w"])
+        elif kind == "W":
+            self.remembered.difference_update(r["w"])
         else:
             self._apply_stream(r)
 
@@ -111,8 +117,12 @@ class LogState:
     def _commit(self, r: dict[str, Any]) -> None:
         gid = r["g"]
         one_phase = r["k"] == "1"
+        if one_phase and gid in self.remembered:  # a carried commit replayed twice
+            return
         messages = [to_message(m) for m in r["m"]] if one_phase else self.prepared.pop(gid, [])
         self.committed.add(gid)
+        if "r" in r:
+            self.remembered.add(gid)
         numbers = r["s"]
         if messages and len(messages) != len(numbers):
             raise ValueError(
@@ -144,4 +154,6 @@ class LogState:
         for gid, at in self.tombstones.items():
             if now_ms - at < tombstone_ms:
                 out.append({"k": "R", "g": gid, "t": at})
+        if self.remembered:
+            out.append({"k": "K", "w": sorted(self.remembered)})
         return out

@@ -23,7 +23,7 @@ Crash points: ``mlog.<name>.after_prepare`` (the ``P`` record is durable, the vo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from coordinator import (
@@ -44,7 +44,7 @@ from resource_managers.bookkeeping import Branches
 from ._base import BranchRolledBack, DestinationFullError
 from ._log import MessageLog
 from ._options import SendKwargs, SendOptions
-from ._records import Message
+from ._records import Message, decode, to_message
 from ._validation import InvalidMessageError, outgoing
 
 if TYPE_CHECKING:  # Unpack is in typing from Python 3.11
@@ -161,7 +161,13 @@ class MessageLogResource(Branches[ProducerBranch]):
     record of the log carries it (or an fsync of its own ``lazy_delay`` later), and the
     coordinator keeps its decision until then (`coordinator.lazy_commit`). The transaction's
     messages become visible to the transfer once the record is durable, a moment after the
-    commit returns. False: forced, visible when the commit returns."""
+    commit returns. False: forced, visible when the commit returns.
+
+    ``rides_last_resource`` (default True): in a transaction whose last resource can carry it
+    (a PostgreSQL last resource, `coordinator.carried`), the branch writes no prepare record:
+    its messages travel in the last resource's decision row, committed with the application's
+    rows, and the log commits them after it with one lazy record. One forced write per
+    transaction instead of two. False: the branch prepares as with any other coordinator."""
 
     def __init__(
         self,
@@ -170,9 +176,11 @@ class MessageLogResource(Branches[ProducerBranch]):
         *,
         sort_key: str | None = None,
         lazy_commit: bool = True,
+        rides_last_resource: bool = True,
     ):
         super().__init__(name, sort_key)
         self.lazy_commit = lazy_commit
+        self.rides_last_resource = rides_last_resource
         self.log = log
 
     def __repr__(self) -> str:
@@ -201,6 +209,49 @@ class MessageLogResource(Branches[ProducerBranch]):
         if earlier:
             self.log.flush_commits()  # durable before the answer, whatever this branch wrote
         return vote
+
+    # -- carried by the last resource's commit (coordinator.carried) ------------------------------
+
+    def stage(self, xid: Xid) -> bytes | None:
+        """Phase one without a record: the checks of `prepare`, the messages kept in memory."""
+        branch = self._take(xid)
+        gid = xid.to_gid()
+        if self.log.is_tombstoned(gid):
+            raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone); no prepare")
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
+        if not branch.messages:
+            return None
+        return self.log.stage(gid, branch.messages)
+
+    def commit_carried(self, xid: Xid, payload: bytes, on_durable: Callable[[], None]) -> None:
+        gid = self._check(xid).to_gid()
+        if not self.log.is_staged(gid):  # not staged in this process: as recovery would
+            self.restore_carried(xid, payload)
+            on_durable()
+            return
+        points = f"mlog.{self._name}"
+
+        def durable() -> None:
+            crash_point(f"{points}.carried_durable")
+            on_durable()
+
+        messages = self.log.staged_messages(gid)
+        self.log.commit_carried(gid, durable, force=not self.lazy_commit)
+        crash_point(f"{points}.after_carried_commit")
+        _captured(messages)
+
+    def restore_carried(self, xid: Xid, payload: bytes) -> None:
+        record = decode(payload)
+        if record["k"] != "P" or record["g"] != xid.to_gid():
+            raise InvalidXidError(f"{self._name}: the carried payload is not {xid}'s")
+        self.log.restore_carried(record["g"], [to_message(m) for m in record["m"]])
+
+    def carried_gids(self) -> set[str]:
+        return {g for g in self.log.carried_gids() if _bqual(g) == self._name}
+
+    def forget_carried(self, gids: Collection[str]) -> None:
+        self.log.forget_carried(gids)
 
     def commit_earlier(self, xid: Xid, gids: Sequence[str]) -> bool:
         """Commit the branches ``gids`` still prepared here, before ``xid`` takes numbers.
@@ -275,6 +326,8 @@ class MessageLogResource(Branches[ProducerBranch]):
     def rollback(self, xid: Xid) -> Outcome | None:
         gid = self._check(xid).to_gid()
         self._drop(xid)
+        if self.log.drop_staged(gid):  # carried, never written: nothing to leave behind
+            return None
         if self.log.is_committed(gid):
             return Outcome.HEURISTIC_COMMIT
         self.log.rollback(gid)
@@ -291,6 +344,13 @@ class MessageLogResource(Branches[ProducerBranch]):
             f"mlog_{self._name}_pending": lambda: float(self.log.stats().pending),
             f"mlog_{self._name}_prepared": lambda: float(self.log.stats().prepared),
         }
+
+
+def _bqual(gid: str) -> str | None:
+    try:
+        return Xid.from_gid(gid).bqual
+    except InvalidXidError:
+        return None
 
 
 def _nothing() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
 
@@ -64,6 +65,7 @@ class PostgresBase(Branches[Branch]):
     _last: bool
     _decision_name: str
     _ended: list[str]  # decision rows to delete with the next commit or cleanup
+    _after_drop: dict[str, Callable[[], None]]  # gtrid -> what runs once its row is deleted
 
     def _release_expired(self) -> None:
         """Give back the connections of branches prepared longer than ``hold_prepared`` ago:

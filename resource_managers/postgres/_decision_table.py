@@ -28,25 +28,49 @@ class DecisionTable:
     """Statements on one decision table; ``table`` is schema-qualified and quoted."""
 
     table: str
+    #: the table has the columns of carried branches (`coordinator.carried`)
+    carries: bool = False
 
     def ddl(self) -> str:
         return (
             f"CREATE TABLE IF NOT EXISTS {self.table} (gtrid text PRIMARY KEY, "
             "node_id text NOT NULL, outcome text NOT NULL CHECK (outcome IN ('c', 'a')), "
             "branches text[] NOT NULL DEFAULT '{}', "
-            "written_at timestamptz NOT NULL DEFAULT now())"
+            "written_at timestamptz NOT NULL DEFAULT now(), "
+            "carried_names text[] NOT NULL DEFAULT '{}', carried bytea[] NOT NULL DEFAULT '{}')"
+        )
+
+    def add_carried_columns(self) -> str:
+        """What a table made before carried branches needs."""
+        return (
+            f"ALTER TABLE {self.table} "
+            "ADD COLUMN IF NOT EXISTS carried_names text[] NOT NULL DEFAULT '{}', "
+            "ADD COLUMN IF NOT EXISTS carried bytea[] NOT NULL DEFAULT '{}'"
         )
 
     def commit(
-        self, gtrid: str, node_id: str, branches: tuple[str, ...], ended: list[str]
+        self,
+        gtrid: str,
+        node_id: str,
+        branches: tuple[str, ...],
+        ended: list[str],
+        carried: tuple[tuple[str, bytes], ...] = (),
     ) -> tuple[str, list[Any]]:
-        """The decision row, the deletion of rows whose transactions ended, and the COMMIT: one
-        round trip, one server commit for the branch's data and its decision."""
-        sql = (
-            f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches) "
-            "VALUES (%s, %s, 'c', %s); "
-        )
+        """The decision row (with the payloads of the branches it carries), the deletion of rows
+        whose transactions ended, and the COMMIT: one round trip, one server commit for the
+        branch's data and its decision."""
         params: list[Any] = [gtrid, node_id, list(branches)]
+        if carried:
+            sql = (
+                f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches, carried_names, "
+                "carried) VALUES (%s, %s, 'c', %s, %s, %s); "
+            )
+            params += [[name for name, _ in carried], [payload for _, payload in carried]]
+        else:
+            sql = (
+                f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches) "
+                "VALUES (%s, %s, 'c', %s); "
+            )
         if ended:
             sql += f"DELETE FROM {self.table} WHERE gtrid = ANY(%s) AND outcome = 'c'; "
             params.append(ended)
@@ -65,6 +89,13 @@ class DecisionTable:
 
     def committed(self, node_id: str) -> tuple[str, list[Any]]:
         sql = f"SELECT gtrid, branches FROM {self.table} WHERE node_id = %s AND outcome = 'c'"
+        return sql, [node_id]
+
+    def carried_rows(self, node_id: str) -> tuple[str, list[Any]]:
+        sql = (
+            f"SELECT gtrid, carried_names, carried FROM {self.table} "
+            "WHERE node_id = %s AND outcome = 'c' AND cardinality(carried_names) > 0"
+        )
         return sql, [node_id]
 
     def drop(self, gtrids: list[str]) -> tuple[str, list[Any]]:

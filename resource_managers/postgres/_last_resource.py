@@ -25,15 +25,18 @@ class LastResourceOps(PostgresBase):
     def commit_with_decision(self, xid: Xid, decision: Decision) -> None:
         """The branch's data and the decision row in one server commit, one round trip."""
         table = self._decision_table()
+        if decision.carried and not table.carries:  # carries_branches() said no: a caller's bug
+            raise ProgrammingError(f"{self._name}: its decision table cannot carry branches")
         with self._lock:
             ended, self._ended = self._ended, []
         node = xid.node_id or ""
-        sql, params = table.commit(decision.gtrid, node, decision.branches, ended)
+        sql, params = table.commit(decision.gtrid, node, decision.branches, ended, decision.carried)
         try:
             self.commit_carrying(xid, sql, params, fence=_errors.is_unique_violation)
         except BaseException:
             self._requeue(ended)
             raise
+        self._dropped(ended)
 
     def commit_carrying(
         self,
@@ -99,9 +102,14 @@ class LastResourceOps(PostgresBase):
         rows = self._pool.query(*self._decision_table().committed(node_id))
         return {str(gtrid): tuple(branches) for gtrid, branches in rows}
 
-    def end_decision(self, gtrid: str) -> None:
+    def end_decision(self, gtrid: str, then: Callable[[], None] | None = None) -> None:
+        """Queue the row's deletion for the next commit with a decision (or `drop_decisions`);
+        ``then`` runs once that deletion has committed (`coordinator.carried`: the carried
+        branches may forget the commit)."""
         with self._lock:
             self._ended.append(gtrid)
+            if then is not None:
+                self._after_drop[gtrid] = then
 
     def drop_decisions(self, gtrids: Collection[str]) -> None:
         with self._lock:
@@ -114,6 +122,34 @@ class LastResourceOps(PostgresBase):
         except Exception:
             self._requeue(ended)
             raise
+        self._dropped(gone)
+
+    # -- carried branches (coordinator.carried) ---------------------------------------------------
+
+    def carries_branches(self) -> bool:
+        """True if the decision table has the carried branches' columns (a table made by an
+        earlier version gets them on first use where the role may add them)."""
+        table = self._server_facts().decisions
+        return table is not None and table.carries
+
+    def carried_of(self, node_id: str) -> dict[str, dict[str, bytes]]:
+        table = self._decision_table()
+        if not table.carries:
+            return {}
+        rows = self._pool.query(*table.carried_rows(node_id))
+        return {
+            str(gtrid): {str(n): bytes(p) for n, p in zip(names, payloads, strict=True)}
+            for gtrid, names, payloads in rows
+        }
+
+    def _dropped(self, gtrids: list[str]) -> None:
+        """Rows whose deletion just committed: run what `end_decision` queued for them."""
+        if not self._after_drop:
+            return
+        with self._lock:
+            then = [f for g in gtrids if (f := self._after_drop.pop(g, None)) is not None]
+        for callback in then:
+            callback()
 
     def _requeue(self, ended: list[str]) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ own tables are (the outcome markers; a last resource's decision table), created 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,8 @@ from . import _errors
 from ._decision_table import DecisionTable
 from ._driver import Driver
 from ._pooled import Pooled
+
+log = logging.getLogger("twopc.postgres")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ def look_up(pool: Pooled, driver: Driver, name: str, tables: Tables) -> ServerFa
                 _ensure(
                     driver, connection, name, decisions.table, ddl=decisions.ddl(), what="decision"
                 )
+                decisions = _with_carried_columns(driver, connection, name, decisions)
         return ServerFacts(str(database), str(role), int(max_prepared), marker, decisions)
 
     return pool.once_more(look)
@@ -84,6 +88,37 @@ def _ensure(driver: Driver, connection: Any, name: str, table: str, *, ddl: str,
             # two processes creating it at once: one wins, the other sees a unique violation
             if attempt == 2 or _errors.is_unreachable(exc):
                 raise
+
+
+def _with_carried_columns(
+    driver: Driver, connection: Any, name: str, decisions: DecisionTable
+) -> DecisionTable:
+    """The table, able to carry branches (`coordinator.carried`) if it has the columns. A table
+    made by an earlier version gets them added; where the role may not, the resource works as
+    before (every other branch prepares) and the log says what an administrator can run."""
+    found = driver.query(
+        connection,
+        "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+        "AND attname IN ('carried_names', 'carried') AND NOT attisdropped",
+        [decisions.table],
+    )[0][0]
+    if int(found) == 2:
+        return DecisionTable(decisions.table, carries=True)
+    try:
+        driver.run(connection, decisions.add_carried_columns())
+    except Exception as exc:
+        if _errors.is_unreachable(exc):
+            raise
+        log.warning(
+            "%s: the decision table %s cannot carry branches, so they prepare as before (%s); "
+            "an administrator can run: %s",
+            name,
+            decisions.table,
+            _errors.describe(exc),
+            decisions.add_carried_columns(),
+        )
+        return decisions
+    return DecisionTable(decisions.table, carries=True)
 
 
 def _marker_ddl(table: str) -> str:

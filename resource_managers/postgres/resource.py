@@ -201,6 +201,8 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         self._last = last_resource
         self._decision_name = decision_table
         self._ended: list[str] = []  # decision rows to delete with the next commit or cleanup
+        #: what runs once an ended row's deletion committed (`LastResourceOps.end_decision`)
+        self._after_drop: dict[str, Callable[[], None]] = {}
 
     @property
     def last_resource(self) -> bool:

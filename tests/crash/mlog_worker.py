@@ -1,18 +1,21 @@
 """The process the message log crash tests kill: producers that send inside PostgreSQL transactions.
 
     python tests/crash/mlog_worker.py run     --db URL --log DIR --mlog DIR --count N [--start S]
-        [--llr] [--durable-commit]
+        [--llr [--no-carry]] [--durable-commit]
     python tests/crash/mlog_worker.py recover --db URL --log DIR --mlog DIR
 
 ``run``: N transactions (i from S), each inserting ``transfers`` row ``m<i>`` in the database
 (resource ``db``) and sending body ``m<i>`` to destination ``orders`` of the message log (resource
 ``mlog``, crash points ``mlog.mlog.*``); the coordinator's decision log is a `FileDecisionLog`.
-``--llr``: the database is the logging last resource (its commit carries the decision);
+``--llr``: the database is the logging last resource (its commit carries the decision and the
+log's branch: `coordinator.carried`); ``--no-carry``: the log's branch prepares instead;
 ``--durable-commit``: the log forces its commit record instead of writing it lazily.
 Printed, flushed (a SIGKILL loses nothing printed): ``ACK m<i>`` once commit returned, ``DONE``.
 ``recover``: a new manager over the same logs recovers on start, then prints ``STATE <json>``:
-the stream's ``pending`` ``[seq, body]`` pairs, ``prepared`` gids left in the log and the
-database's ``rows``. Crashes come from ``TWOPC_CRASH_AT`` (`coordinator.crashpoints`).
+the stream's ``pending`` ``[seq, body]`` pairs, ``prepared`` gids left in the log, the
+database's ``rows``, the gids the log still ``remembered`` of carried commits and the commit
+``decision_rows`` left (both 0 once a second recovery pass has cleaned up). Crashes come from
+``TWOPC_CRASH_AT`` (`coordinator.crashpoints`).
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--llr", action="store_true", help="the database is the last resource")
     parser.add_argument("--durable-commit", action="store_true", help="force the log's commit")
+    parser.add_argument("--no-carry", action="store_true", help="the log's branch prepares")
     args = parser.parse_args(argv)
     engine = create_engine(args.db)
     # no fsync of its own for a lazy commit record: the next transaction's prepare carries it
     # (or close), so each crash point is reached once per transaction, in order
     mlog = MessageLog(args.mlog, lazy_delay=60.0)
     db = PostgresResource(engine, "db", last_resource=args.llr)
-    mr = MessageLogResource(mlog, lazy_commit=not args.durable_commit)
+    mr = MessageLogResource(
+        mlog, lazy_commit=not args.durable_commit, rides_last_resource=not args.no_carry
+    )
     tm = TransactionManager(
         "node-1", FileDecisionLog(args.log), [db, mr], recovery_interval=None, reaper_interval=None
     )
@@ -61,14 +67,26 @@ def main(argv: list[str]) -> int:
                     branch: ProducerBranch = tx.join(mr)
                     branch.send("orders", f"m{i}".encode())
                 print(f"ACK m{i}", flush=True)
+                if args.llr and not args.no_carry:
+                    # a carried branch writes no prepare to carry the last one's lazy record:
+                    # flush it here, as its LazyWatch would a moment later
+                    mr.flush_commits()
             print("DONE", flush=True)
         else:
+            tm.recover(force=True)  # a second pass: the first one's restores are settled
             with engine.connect() as conn:
                 rows = sorted(conn.execute(text("SELECT id FROM transfers")).scalars())
+                decisions = 0
+                if args.llr:
+                    decisions = conn.execute(
+                        text("SELECT count(*) FROM twopc_decision_row WHERE outcome = 'c'")
+                    ).scalar_one()
             state = {
                 "pending": [[seq, m.body.decode()] for seq, m in mlog.pending("orders")],
                 "prepared": mlog.prepared_gids(),
                 "rows": rows,
+                "remembered": sorted(mlog.carried_gids()),
+                "decision_rows": decisions,
             }
             print("STATE " + json.dumps(state), flush=True)
     finally:

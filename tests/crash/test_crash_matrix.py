@@ -67,6 +67,7 @@ class Scenario:
     last: str | None = None
     asynchronous: bool = False  # async_phase_two: phase two on a background worker
     lazy: bool = False  # the resources (but a last one) write their commit records lazily
+    carried: bool = False  # a rides c's commit (`coordinator.carried`): needs ``last="c"``
 
     @property
     def name(self) -> str:
@@ -139,6 +140,31 @@ LAZY_SCENARIOS = [
     _lazy("recovery.after_resolve.1", first="tm.end_deferred:3", label="lazy redo"),
 ]
 
+def _carried(point: str, expect: str, **kw: Any) -> Scenario:
+    label = kw.pop("label", "carried lazy" if kw.get("lazy") else "carried")
+    return Scenario(point, expect, label=label, last="c", carried=True, **kw)
+
+
+#: a rides c's commit: it stages its write set in memory, c's decision row holds it, and a
+#: applies it after the commit point, remembering the gid until the row is gone. A kill before
+#: a's apply is durable leaves the write set only in the row (recovery restores it); one after
+#: leaves it in both (recovery must not apply it twice); one before a forgets leaves a gid
+#: remembered with no row (recovery forgets it).
+CARRIED_SCENARIOS = [
+    _carried("fileres.a.after_stage:3", ROLLED_BACK),
+    _carried("tm.carried.after_stage:3", ROLLED_BACK),
+    _carried("tm.llr.before_commit:3", ROLLED_BACK),
+    _carried("fileres.c.after_apply:3", COMMITTED),
+    _carried("tm.llr.after_commit:3", COMMITTED),
+    _carried("fileres.a.after_apply:3", COMMITTED),
+    _carried("tm.end_deferred:3", COMMITTED, lazy=True),
+    _carried("tm.before_deferred_end:3", COMMITTED, lazy=True),
+    _carried("tm.carried.before_forget:2", COMMITTED),
+    _carried("fileres.a.after_lazy_commit:3", COMMITTED, lazy=True),
+    _carried("fileres.a.lazy_durable:3", COMMITTED, lazy=True),
+    _carried("recovery.carried.after_restore", COMMITTED, first="tm.llr.after_commit:3"),
+]
+
 SCENARIOS = [
     Scenario("tm.before_prepare:3", ROLLED_BACK),
     Scenario("tm.after_prepare.1:3", ROLLED_BACK),
@@ -178,6 +204,7 @@ SCENARIOS = [
     *LLR_SCENARIOS,
     *ASYNC_SCENARIOS,
     *LAZY_SCENARIOS,
+    *CARRIED_SCENARIOS,
 ]
 
 
@@ -338,6 +365,9 @@ def test_crash_point(scenario: Scenario, tmp_path: Path, crash_matrix: Any) -> N
         run_args += ["--async-phase-two"]
     if scenario.lazy:
         run_args += ["--lazy"]
+    if scenario.carried:
+        run_args += ["--carried"]
+        recover_args += ["--carried"]
     if scenario.segment_bytes:
         run_args += ["--segment-bytes", str(scenario.segment_bytes)]
         recover_args += ["--segment-bytes", str(scenario.segment_bytes)]
@@ -361,6 +391,8 @@ def test_crash_point(scenario: Scenario, tmp_path: Path, crash_matrix: Any) -> N
     problems += exactly_once(states, transcript)
     if scenario.last:
         problems += decision_rows_cleaned(states[scenario.last])
+    if scenario.carried:
+        problems += [f"carried: {g} still remembered" for g in sorted(states["a"].remembered)]
 
     crash_matrix.add(
         point=scenario.id,

@@ -4,6 +4,7 @@
     python tests/crash/worker.py recover DIR
     ... [--last c]    resource c is a logging last resource (its commit carries the decision)
     ... [--lazy]      the resources write their phase-two commit records lazily
+    ... [--carried]   resource a rides the last resource's commit (`coordinator.carried`)
 
 ``run`` executes one transaction per plan entry over three `FileResource`s (a, b, c) and a
 `FileDecisionLog`, all under DIR, and prints (flushed, so a SIGKILL loses nothing printed)::
@@ -49,9 +50,16 @@ def open_manager(
     last: str | None = None,
     async_phase_two: bool = False,
     lazy: bool = False,
+    carried: bool = False,
 ) -> TransactionManager:
     resources = [
-        FileResource(name, root / name, last_resource=name == last, lazy_commit=lazy)
+        FileResource(
+            name,
+            root / name,
+            last_resource=name == last,
+            lazy_commit=lazy,
+            carried=carried and name == "a",
+        )
         for name in RESOURCES
     ]
     if segment_bytes is None:
@@ -103,6 +111,7 @@ def run(  # noqa: PLR0917 - the command line, passed on
     last: str | None,
     asynchronous: bool,
     lazy: bool,
+    carried: bool,
 ) -> int:
     tm = open_manager(
         root,
@@ -111,6 +120,7 @@ def run(  # noqa: PLR0917 - the command line, passed on
         last=last,
         async_phase_two=asynchronous,
         lazy=lazy,
+        carried=carried,
     )
     for kind in plan:
         tx = tm.begin()
@@ -127,8 +137,8 @@ def run(  # noqa: PLR0917 - the command line, passed on
     return 0
 
 
-def recover(root: Path, segment_bytes: int | None, last: str | None) -> int:
-    tm = open_manager(root, segment_bytes, recover_on_start=False, last=last)
+def recover(root: Path, segment_bytes: int | None, last: str | None, carried: bool) -> int:
+    tm = open_manager(root, segment_bytes, recover_on_start=False, last=last, carried=carried)
     started = time.perf_counter()
     report = tm.recover(force=True)
     elapsed_ms = (time.perf_counter() - started) * 1000
@@ -155,14 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--last", choices=RESOURCES, default=None)
     parser.add_argument("--async-phase-two", action="store_true")
     parser.add_argument("--lazy", action="store_true", help="lazy commit records (a and b)")
+    parser.add_argument("--carried", action="store_true", help="a rides the last resource")
     args = parser.parse_args(argv)
     if args.mode == "recover":
-        return recover(args.dir, args.segment_bytes, args.last)
+        return recover(args.dir, args.segment_bytes, args.last, args.carried)
     plan = args.plan.split(",")
     unknown = set(plan) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)}; expected some of {KINDS}")
-    return run(args.dir, plan, args.segment_bytes, args.last, args.async_phase_two, args.lazy)
+    return run(
+        args.dir,
+        plan,
+        args.segment_bytes,
+        args.last,
+        args.async_phase_two,
+        args.lazy,
+        args.carried,
+    )
 
 
 if __name__ == "__main__":

@@ -376,25 +376,37 @@ def worker(
     )
 
 
-LLR = ("--llr",)
+LLR = ("--llr",)  # the log's branch rides the database's commit (`coordinator.carried`)
+PREPARED_LLR = ("--llr", "--no-carry")  # the log's branch prepares before that commit
 FORCED = ("--durable-commit",)
 #: (crash point, worker flags, whether the third transaction commits). The log's commit record
 #: is lazy unless FORCED: the first rows lose it in the kill, and recovery must commit the
 #: branch again from the decision (the decision log's COMMIT record, or with LLR the database's
 #: decision row); the later ones die after it is on disk but before the decision is forgotten.
+#: With LLR the row also holds the carried messages: a kill before the log's record is durable
+#: leaves them only there (recovery restores them), one after it leaves them in both (recovery
+#: must not restore them twice: the log remembers the gid).
 KILLS = [
     ("mlog.mlog.after_prepare", (), False),
-    ("mlog.mlog.after_prepare", LLR, False),
+    ("mlog.mlog.after_prepare", PREPARED_LLR, False),
     ("mlog.mlog.after_append", FORCED, True),
     ("mlog.mlog.after_commit", FORCED, True),
     ("mlog.mlog.after_lazy_commit", (), True),
-    ("mlog.mlog.after_lazy_commit", LLR, True),
+    ("mlog.mlog.after_lazy_commit", PREPARED_LLR, True),
     ("tm.end_deferred", (), True),
     ("tm.end_deferred", LLR, True),
+    ("tm.end_deferred", PREPARED_LLR, True),
     ("mlog.mlog.commit_durable", (), True),
-    ("mlog.mlog.commit_durable", LLR, True),
+    ("mlog.mlog.commit_durable", PREPARED_LLR, True),
     ("tm.before_deferred_end", (), True),
     ("tm.before_deferred_end", LLR, True),
+    ("tm.before_deferred_end", PREPARED_LLR, True),
+    ("tm.carried.after_stage", LLR, False),
+    ("tm.llr.before_commit", LLR, False),
+    ("tm.llr.after_commit", LLR, True),
+    ("mlog.mlog.after_carried_commit", LLR, True),
+    ("mlog.mlog.carried_durable", LLR, True),
+    ("mlog.mlog.carried_durable", (*LLR, *FORCED), True),
 ]
 
 
@@ -426,11 +438,48 @@ def test_exactly_once_after_kill_at_each_crash_point(
     expected = ["m0", "m1", "m2"] if commits else ["m0", "m1"]
     assert bodies_ == expected
     assert set(acked) <= set(bodies_)  # every acknowledged commit is there
+    assert state["remembered"] == [] and state["decision_rows"] == 0  # nothing left behind
     again = worker("run", url, tmp_path, start=10, flags=flags)
     assert again.returncode == 0, again.stderr
     state = recovered(url, tmp_path, flags)  # the log went on numbering after the crash, no gap
     expected += [f"m{i}" for i in range(10, 15)]
     assert state["pending"] == [[seq, body] for seq, body in enumerate(expected, 1)]
+
+
+@pytest.mark.parametrize("lost", [True, False], ids=["record lost", "record durable"])
+def test_a_carried_branch_is_restored_once_across_a_kill_in_recovery(
+    lost: bool, make_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    """The database committed m2 with the log's branch in its decision row; recovery restores
+    the messages (where the log's record was lost) and is killed right after: the next recovery
+    finds the gid remembered and restores nothing twice."""
+    url = make_pg_database()
+    ledger_engine(url, accounts=1).dispose()
+    point = "tm.llr.after_commit:3" if lost else "mlog.mlog.carried_durable:3"
+    crashed = worker("run", url, tmp_path, crash_at=point, flags=LLR)
+    assert crashed.returncode == -9, crashed.stderr
+    killed = worker("recover", url, tmp_path, crash_at="recovery.carried.after_restore", flags=LLR)
+    assert killed.returncode == (-9 if lost else 0), killed.stderr  # nothing to restore if kept
+    state = recovered(url, tmp_path, LLR)
+    assert state["pending"] == [[1, "m0"], [2, "m1"], [3, "m2"]]
+    assert state["rows"] == ["m0", "m1", "m2"]
+    assert state["remembered"] == [] and state["decision_rows"] == 0
+
+
+def test_a_kill_before_the_log_forgets_a_carried_commit_leaves_nothing(
+    make_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    """The decision row's deletion committed (with a later transaction's commit), the log has
+    not forgotten the gid yet: recovery finds it remembered with no row, and forgets it."""
+    url = make_pg_database()
+    ledger_engine(url, accounts=1).dispose()
+    crashed = worker("run", url, tmp_path, crash_at="tm.carried.before_forget", flags=LLR)
+    assert crashed.returncode == -9, crashed.stderr
+    state = recovered(url, tmp_path, LLR)
+    acked = [line.split()[1] for line in crashed.stdout.splitlines() if line.startswith("ACK")]
+    assert [body for _, body in state["pending"]] == state["rows"]
+    assert set(acked) <= set(state["rows"]) and len(state["rows"]) == 2
+    assert state["remembered"] == [] and state["decision_rows"] == 0
 
 
 def recovered(url: str, tmp: Path, flags: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -473,3 +522,44 @@ def test_a_prepare_racing_a_rollback_votes_no(logdir: Path) -> None:
             log.prepare(xid.to_gid(), branch.messages)
     with MessageLog(logdir) as log:
         assert log.prepared_gids() == [] and log.pending("orders") == []
+
+
+def test_remembered_carried_commits_survive_compaction_until_forgotten(logdir: Path) -> None:
+    """A carried commit's gid outlives every rollover (``K``) until ``forget_carried``: only
+    then may recovery restore a payload without duplicating it (`coordinator.carried`)."""
+    with MessageLog(logdir, segment_bytes=4096) as log:
+        mr = MessageLogResource(log)
+        gids = []
+        for i in range(40):  # enough 1 KiB messages for several rollovers
+            xid = Xid.branch_of(f"node-1:c-{i}", mr.name)
+            mr.start(xid).send("orders", b"x" * 1024)
+            payload = mr.stage(xid)
+            assert payload is not None
+            done: list[bool] = []
+            mr.commit_carried(xid, payload, lambda: done.append(True))
+            log.flush_commits()
+            assert done == [True]
+            gids.append(xid.to_gid())
+        assert log.stats().rollovers > 0
+        assert mr.carried_gids() == set(gids)
+        # a repeat (the row read again) restores nothing
+        mr.restore_carried(Xid.from_gid(gids[-1]), payload)
+        assert len(log.pending("orders")) == 40
+        mr.forget_carried(gids[:30])
+    with MessageLog(logdir, segment_bytes=4096) as log:
+        mr = MessageLogResource(log)
+        assert mr.carried_gids() == set(gids[30:])
+        assert [seq for seq, _ in log.pending("orders")] == list(range(1, 41))
+
+
+def test_a_staged_branch_rolled_back_leaves_no_trace(logdir: Path) -> None:
+    with MessageLog(logdir, max_destination_messages=1) as log:
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:s-1", mr.name)
+        mr.start(xid).send("orders", b"x")
+        assert mr.stage(xid) is not None
+        with pytest.raises(DestinationFullError):  # the staged message counts against the limit
+            mr.start(Xid.branch_of("node-1:s-2", mr.name)).send("orders", b"y")
+        assert mr.rollback(xid) is None
+        assert not log.is_tombstoned(xid.to_gid()) and log.prepared_gids() == []
+        mr.start(Xid.branch_of("node-1:s-3", mr.name)).send("orders", b"z")  # room again

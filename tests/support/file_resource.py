@@ -24,7 +24,10 @@ the way a database replays its own log at start-up before it answers a coordinat
 ``FileResource(..., last_resource=True)`` is a logging last resource
 (`coordinator.last_resource`): ``commit_with_decision`` writes the branch's data, its marker and
 the decision row in the one atomic replace of data.json, as PostgreSQL commits them in one
-transaction.
+transaction. Its rows can carry other branches (`coordinator.carried`): ``FileResource(...,
+carried=True)`` stages its write set in memory instead of preparing it, the last resource's row
+holds it, and the commit that applies it also remembers the gid in data.json (``carried``) until
+``forget_carried``.
 """
 
 from __future__ import annotations
@@ -145,6 +148,8 @@ class DurableState:
     audit: list[AuditEntry] = field(default_factory=list)
     #: a last resource's decision rows: gtrid -> {"o": "c" (commit) or "a" (abort), "b": [...]}
     decisions: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: gids of carried commits remembered until their rows are gone (`coordinator.carried`)
+    remembered: set[str] = field(default_factory=set)
 
     def outcome(self, gtrid: str) -> str:
         """COMMITTED, ROLLED_BACK, PREPARED or ABSENT: what this resource holds for ``gtrid``."""
@@ -179,6 +184,10 @@ class DurableState:
 def read_state(directory: str | os.PathLike[str]) -> DurableState:
     root = Path(directory)
     data, committed, decisions = _read_data(root / _DATA)
+    try:
+        remembered = set(json.loads((root / _DATA).read_bytes()).get("carried", []))
+    except FileNotFoundError:
+        remembered = set()
     return DurableState(
         data=data,
         committed=committed,
@@ -186,7 +195,13 @@ def read_state(directory: str | os.PathLike[str]) -> DurableState:
         prepared=set(_xids_in(root / _PREPARED)),
         audit=list(_read_audit(root / _AUDIT)),
         decisions=decisions,
+        remembered=remembered,
     )
+
+
+def _ops_of(payload: bytes) -> list[Op]:
+    """A carried branch's write set, from the payload its ``stage`` gave the decision row."""
+    return [(kind, key, value) for kind, key, value in json.loads(payload)["ops"]]
 
 
 def _read_data(
@@ -290,9 +305,15 @@ class FileResource:
         *,
         last_resource: bool = False,
         lazy_commit: bool = False,
+        carried: bool = False,
     ) -> None:
         self._name = validate_resource_name(name)
         self._last = last_resource
+        #: rides a last resource's commit (`coordinator.carried`): staged write sets, by xid
+        self.rides_last_resource = carried
+        self._staged: dict[Xid, list[Op]] = {}
+        self._lazy_remember: set[Xid] = set()  # lazy commits that are carried ones
+        self._after_drop: dict[str, Callable[[], None]] = {}  # end_decision's ``then``
         # lazy_commit: phase two queues the commit and applies it on disk a moment later
         # (`coordinator.lazy_commit`); the queue, in order, with each one's durability callback
         self._lazy_enabled = lazy_commit
@@ -332,6 +353,7 @@ class FileResource:
         state = read_state(self.directory)
         self._data, self._committed, self._aborted = state.data, state.committed, state.aborted
         self._decisions = state.decisions
+        self._remembered = state.remembered
         self._audited = {entry.gid for entry in state.audit}
         for xid in sorted(state.committed, key=Xid.to_gid):
             self._settle(xid, COMMITTED)
@@ -446,7 +468,8 @@ class FileResource:
                 queued, self._lazy, self._lazy_timer = self._lazy, [], None
                 for xid, ops, _ in queued:
                     if xid not in self._committed:
-                        self._apply(xid, ops)
+                        self._apply(xid, ops, remember=xid in self._lazy_remember)
+                    self._lazy_remember.discard(xid)
             for _, _, on_durable in queued:
                 crash_point(f"fileres.{self._name}.lazy_durable")
                 on_durable()
@@ -456,6 +479,7 @@ class FileResource:
             if xid in self._committed:
                 return Outcome.HEURISTIC_COMMIT
             self._branches.pop(xid, None)
+            self._staged.pop(xid, None)
             if xid not in self._aborted:
                 # The tombstone goes first: from here on a late prepare of this xid is refused.
                 write_atomic(self._tombstone_path(xid), xid.to_gid().encode("ascii"))
@@ -487,10 +511,13 @@ class FileResource:
             ops = self._one_phase_ops(xid)
             decisions = {g: d for g, d in self._decisions.items() if g not in self._ended}
             decisions[decision.gtrid] = {"o": "c", "b": list(decision.branches)}
+            if decision.carried:
+                decisions[decision.gtrid]["p"] = {n: p.decode() for n, p in decision.carried}
             self._write_data(apply_ops(self._data, ops), self._committed | {xid}, decisions)
-            self._ended.clear()
+            gone, self._ended = self._ended, set()
             crash_point(f"fileres.{self._name}.after_apply")
             self._settle(xid, COMMITTED)
+        self._run_after_drop(gone)
 
     def decisions_of(self, gtrids: Iterable[str]) -> set[str]:
         with self._lock:
@@ -508,9 +535,11 @@ class FileResource:
                 if d["o"] == "c" and g.startswith(f"{node_id}:")
             }
 
-    def end_decision(self, gtrid: str) -> None:
+    def end_decision(self, gtrid: str, then: Callable[[], None] | None = None) -> None:
         with self._lock:
             self._ended.add(gtrid)
+            if then is not None:
+                self._after_drop[gtrid] = then
 
     def drop_decisions(self, gtrids: Iterable[str]) -> None:
         with self._lock:
@@ -519,6 +548,80 @@ class FileResource:
             if kept != self._decisions:
                 self._write_data(self._data, self._committed, kept)
             self._ended.clear()
+        self._run_after_drop(gone)
+
+    def _run_after_drop(self, gone: set[str]) -> None:
+        with self._lock:
+            then = [f for g in sorted(gone) if (f := self._after_drop.pop(g, None)) is not None]
+        for callback in then:
+            callback()
+
+    # -- carried branches (coordinator.carried) -------------------------------------------------
+
+    def carries_branches(self) -> bool:
+        return self._last
+
+    def carried_of(self, node_id: str) -> dict[str, dict[str, bytes]]:
+        with self._lock:
+            return {
+                g: {str(n): str(p).encode() for n, p in d["p"].items()}  # type: ignore[attr-defined]
+                for g, d in self._decisions.items()
+                if d["o"] == "c" and "p" in d and g.startswith(f"{node_id}:")
+            }
+
+    def stage(self, xid: Xid) -> bytes | None:
+        with self._lock:
+            self._refuse_if_ended(xid, "stage")
+            branch = self._branches.pop(xid, None)
+            if branch is None:
+                raise IllegalStateError(f"{xid.gtrid} has no active branch on {self._name}")
+            if branch.vetoed:
+                raise IllegalStateError(f"{xid.gtrid} was vetoed on {self._name}")
+            if not branch.ops:
+                return None
+            apply_ops(self._data, branch.ops)  # a write set that cannot apply votes no now
+            self._staged[xid] = branch.ops
+            crash_point(f"fileres.{self._name}.after_stage")
+            return json.dumps({"gid": xid.to_gid(), "ops": branch.ops}).encode("ascii")
+
+    def commit_carried(self, xid: Xid, payload: bytes, on_durable: Callable[[], None]) -> None:
+        with self._lock:
+            ops = self._staged.pop(xid, None)
+            if ops is None or not self._lazy_enabled:
+                ops = ops if ops is not None else _ops_of(payload)
+                if xid not in self._committed:
+                    self._apply(xid, ops, remember=True)
+                lazy = False
+            else:
+                self._lazy_remember.add(xid)
+                self._lazy.append((xid, ops, on_durable))
+                if self._lazy_timer is None:
+                    self._lazy_timer = threading.Timer(LAZY_DELAY, self.flush_commits)
+                    self._lazy_timer.daemon = True
+                    self._lazy_timer.start()
+                crash_point(f"fileres.{self._name}.after_lazy_commit")
+                lazy = True
+        if not lazy:
+            on_durable()
+
+    def restore_carried(self, xid: Xid, payload: bytes) -> None:
+        if xid in self._lazy_remember:
+            self.flush_commits()
+        with self._lock:
+            if xid.to_gid() in self._remembered:
+                return
+            self._apply(xid, _ops_of(payload), remember=True)
+
+    def carried_gids(self) -> set[str]:
+        with self._lock:
+            return set(self._remembered) - {x.to_gid() for x in self._lazy_remember}
+
+    def forget_carried(self, gids: Iterable[str]) -> None:
+        with self._lock:
+            gone = self._remembered & set(gids)
+            if gone:
+                self._remembered = self._remembered - gone
+                self._write_data(self._data, self._committed, self._decisions)
 
     # -- what an operator (or a buggy peer) might do behind the coordinator's back --------------
 
@@ -554,7 +657,9 @@ class FileResource:
             return None
         return [(kind, key, value) for kind, key, value in payload["ops"]]
 
-    def _apply(self, xid: Xid, ops: list[Op]) -> None:
+    def _apply(self, xid: Xid, ops: list[Op], *, remember: bool = False) -> None:
+        if remember:  # written with the data: a carried commit and its memory are one step
+            self._remembered = self._remembered | {xid.to_gid()}
         self._write_data(apply_ops(self._data, ops), self._committed | {xid}, self._decisions)
         crash_point(f"fileres.{self._name}.after_apply")
         self._settle(xid, COMMITTED)
@@ -569,6 +674,7 @@ class FileResource:
             "data": data,
             "committed": sorted(x.to_gid() for x in committed),
             "decisions": decisions,
+            "carried": sorted(self._remembered),
         }
         write_atomic(self.directory / _DATA, json.dumps(payload, sort_keys=True).encode("ascii"))
         self._data, self._committed, self._decisions = data, committed, decisions

@@ -1,0 +1,100 @@
+"""Branches carried by the last resource's commit: a prepare that is a row, not a forced record.
+
+With a logging last resource (`coordinator.last_resource`) the commit point is the last
+resource's own local commit. A store whose prepared state is small and self-contained (the
+message log's staged messages) need not force a prepare record of its own before it: it hands
+that state to the coordinator as bytes (``stage``), the last resource writes the bytes into the
+decision row inside the commit that decides, and after the commit the store applies them with a
+lazy record (``commit_carried``). The data is durable from the commit point on, in the row; the
+store's record only has to reach disk before the row goes, which the end latch
+(`coordinator.lazy_commit.EndLatch`) orders. One forced write per transaction instead of two:
+what an outbox table costs, with the store keeping its own semantics.
+
+The cost is on recovery's side. A store that crashed before its lazy record was durable has no
+trace of the branch at all (no prepare record), so it cannot list it: recovery reads the rows
+instead (`CarryingLastResource.carried_of`) and hands each payload back (``restore_carried``).
+To tell a lost apply from one that happened, the store *remembers* the gid of every carried
+commit until the coordinator says the row is gone (``forget_carried``); recovery reads the
+remembered gids first and the rows second, so a gid it finds remembered with no row had its row
+deleted before the read, and may be forgotten.
+
+A transaction whose staging fails (a tombstone, a doomed branch) rolls back like a no vote; a
+last resource that failed to commit leaves nothing anywhere (``rollback`` drops what was staged);
+one whose answer was lost leaves the row, or no row, to decide, as for every other branch.
+
+The store's contract (`rides` tells whether a resource has it):
+
+``stage(xid) -> bytes | None``
+    Phase one without a record: check the branch as prepare would, keep it in memory, and return
+    what recovery needs to commit it (None: read-only, nothing to carry). Raising votes no.
+``commit_carried(xid, payload, on_durable)``
+    After the commit point: commit the staged branch with a lazy record that also remembers the
+    gid; ``on_durable()`` once that record is on disk (never, if it never is: the row stays).
+``restore_carried(xid, payload)``
+    Recovery, for a row whose gid the store does not remember: commit ``payload`` durably and
+    remember the gid before returning.
+``carried_gids() -> set[str]``
+    The gids of carried commits remembered and not forgotten.
+``forget_carried(gids)``
+    Their rows are gone: stop remembering them (a lazy record; a lost one is forgotten again by
+    the next recovery pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, Protocol, TypeGuard, runtime_checkable
+
+from ._verbs import CARRY, verbs_of
+from .xid import Xid
+
+
+@runtime_checkable
+class CarriedBranches(Protocol):
+    """A store whose branch can ride the last resource's commit (see the module docstring)."""
+
+    name: str
+
+    def stage(self, xid: Xid) -> bytes | None: ...
+
+    def commit_carried(self, xid: Xid, payload: bytes, on_durable: Callable[[], None]) -> None: ...
+
+    def restore_carried(self, xid: Xid, payload: bytes) -> None: ...
+
+    def carried_gids(self) -> set[str]: ...
+
+    def forget_carried(self, gids: Collection[str]) -> None: ...
+
+
+@runtime_checkable
+class CarryingLastResource(Protocol):
+    """A last resource whose decision row can hold carried branches' payloads."""
+
+    def carries_branches(self) -> bool:
+        """True if this resource's decision rows hold payloads (asked per transaction)."""
+
+    def carried_of(self, node_id: str) -> dict[str, dict[str, bytes]]:
+        """Every commit row of ``node_id`` with carried branches: gtrid -> branch -> payload."""
+
+    def end_decision(self, gtrid: str, then: Callable[[], None] | None = None) -> None:
+        """As `LastResource.end_decision`; ``then`` runs once the row's deletion committed."""
+
+
+def rides(resource: object) -> TypeGuard[CarriedBranches]:
+    """True for a store that offers ``stage`` and has not been told not to ride."""
+    return bool(verbs_of(resource) & CARRY) and getattr(resource, "rides_last_resource", False)
+
+
+def carries(resource: object) -> TypeGuard[CarryingLastResource]:
+    """True for a last resource that can hold carried payloads in its decision rows."""
+    answer = getattr(resource, "carries_branches", None)
+    return callable(answer) and bool(answer())
+
+
+def gid_of(gtrid: str, branch: str) -> str:
+    return Xid.branch_of(gtrid, branch).to_gid()
+
+
+def payloads(pairs: Collection[tuple[str, bytes]]) -> dict[str, Any]:
+    """A decision's carried pairs as a mapping (for messages and tests)."""
+    return dict(pairs)
