@@ -100,11 +100,13 @@ from resource_managers.throwaway import PostgresServer
 
 EXACTLY_ONCE = "twopc exactly-once (PostgreSQL last resource)"
 EXACTLY_ONCE_FILE = "twopc exactly-once (file log, PG prepared)"
+EXACTLY_ONCE_PREPARED = "twopc exactly-once (PG last resource, log prepared)"
 AT_LEAST_ONCE = "twopc at-least-once (ack after commit, no 2PC)"
 MESSAGING_ONLY = "twopc log+cursor only (no database)"
 MODES = {
     "exactly-once": EXACTLY_ONCE,
     "exactly-once-file": EXACTLY_ONCE_FILE,
+    "exactly-once-prepared": EXACTLY_ONCE_PREPARED,
     "at-least-once": AT_LEAST_ONCE,
     "log-only": MESSAGING_ONLY,
     "exactly-once-aio": messaging_aio.EXACTLY_ONCE_AIO,
@@ -113,6 +115,7 @@ MODES = {
 SYSTEM_IDS = {
     EXACTLY_ONCE: "twopc-eo",
     EXACTLY_ONCE_FILE: "twopc-eo-file",
+    EXACTLY_ONCE_PREPARED: "twopc-eo-prepared",
     AT_LEAST_ONCE: "twopc-alo",
     MESSAGING_ONLY: "twopc-core",
     messaging_aio.EXACTLY_ONCE_AIO: "twopc-eo-aio",
@@ -145,14 +148,23 @@ def _engine(dsn: str) -> Any:
 
 
 #: the modes whose database work and messages commit in one two-phase transaction
-TWO_PHASE = ("exactly-once", "exactly-once-file")
+TWO_PHASE = ("exactly-once", "exactly-once-file", "exactly-once-prepared")
+#: the modes whose database is the logging last resource
+LAST_RESOURCE = ("exactly-once", "exactly-once-prepared")
 
 
 def _pg(mode: str, engine: Any) -> PostgresResource:
-    """The side's database: the logging last resource (its commit carries the decision; no
-    prepare, no decision-log force) for ``exactly-once``; an ordinary prepared branch under the
-    file decision log (today's default path) for ``exactly-once-file``."""
-    return PostgresResource(engine, "pg", last_resource=mode == "exactly-once")
+    """The side's database: the logging last resource (its commit carries the decision and the
+    log's branch; no prepare, no decision-log force) for ``exactly-once``; the same with the
+    log's branch prepared before it for ``exactly-once-prepared``; an ordinary prepared branch
+    under the file decision log for ``exactly-once-file``."""
+    return PostgresResource(engine, "pg", last_resource=mode in LAST_RESOURCE)
+
+
+def _log_resource(mode: str, mlog: MessageLog) -> MessageLogResource:
+    """The producer's log branch: carried by the last resource's commit (`coordinator.carried`)
+    unless the mode says it prepares."""
+    return MessageLogResource(mlog, "mlog", rides_last_resource=mode != "exactly-once-prepared")
 
 
 def _manager(node: str, workdir: Path, resources: list[Any]) -> TransactionManager:
@@ -227,7 +239,7 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
         mlog, lambda: connect(cursor_address, secret, "bench-log", TRANSFER_ROLE)
     ).start()
     engine = _engine(dsn)
-    log_res = MessageLogResource(mlog, "mlog")
+    log_res = _log_resource(mode, mlog)
     pg = _pg(mode, engine)
     resources: list[Any] = [log_res, pg] if mode in TWO_PHASE else [log_res]
     tm = _manager("bench-producer", workdir, resources)

@@ -68,7 +68,7 @@ from messaging.auth import SharedSecret
 from messaging.connection import Listener, connect
 from messaging.transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 from resource_managers.cursor import Cursor, CursorResource
-from resource_managers.message_log import MessageLog, MessageLogResource
+from resource_managers.message_log import MessageLog
 from resource_managers.throwaway import PostgresServer
 
 
@@ -85,14 +85,20 @@ def _bench_messaging() -> Any:
 
 
 bm = _bench_messaging()
-MODES = {"twopc-eo": "exactly-once", "twopc-eo-file": "exactly-once-file"}
+MODES = {
+    "twopc-eo": "exactly-once",
+    "twopc-eo-prepared": "exactly-once-prepared",
+    "twopc-eo-file": "exactly-once-file",
+}
 SIDES = ("producer", "transfer", "consumer")
 STORE_FIELDS = ("forced_records", "fsyncs", "lazy_records")
 PG_FIELDS = ("commit", "prepare", "commit_prepared", "round_trips")
 #: which step a store's crash points belong to, for the table's "crash points" column
 CRASH_POINTS = {
-    ("producer", "message log"): "mlog.mlog.after_prepare, mlog.mlog.after_lazy_commit, "
-    "mlog.mlog.commit_durable (forced commit: mlog.mlog.after_append, mlog.mlog.after_commit)",
+    ("producer", "message log"): "carried: tm.carried.after_stage, mlog.mlog.after_carried_commit, "
+    "mlog.mlog.carried_durable, tm.carried.before_forget; prepared: mlog.mlog.after_prepare, "
+    "mlog.mlog.after_lazy_commit, mlog.mlog.commit_durable (forced commit: "
+    "mlog.mlog.after_append, mlog.mlog.after_commit)",
     ("producer", "decision log"): "tm.before_decision_write, tm.after_decision_fsync, "
     "tm.before_end_record, tm.end_deferred, tm.before_deferred_end",
     ("producer", "PostgreSQL"): "tm.after_prepare.N, tm.llr.before_commit, tm.llr.after_commit, "
@@ -201,7 +207,7 @@ class Pipeline:
         c_engine = bm._engine(_through(cl.consumer_dsn, self.pg_proxy["consumer"]))
         stack.callback(p_engine.dispose)
         stack.callback(c_engine.dispose)
-        self.log_res = MessageLogResource(self.mlog, "mlog")
+        self.log_res = bm._log_resource(mode, self.mlog)
         self.cur_res = CursorResource(self.cursor, "cursor")
         self.p_pg, self.c_pg = bm._pg(mode, p_engine), bm._pg(mode, c_engine)
         self.tm_p = bm._manager("bench-producer", workdir, [self.log_res, self.p_pg])

@@ -140,6 +140,7 @@ LAZY_SCENARIOS = [
     _lazy("recovery.after_resolve.1", first="tm.end_deferred:3", label="lazy redo"),
 ]
 
+
 def _carried(point: str, expect: str, **kw: Any) -> Scenario:
     label = kw.pop("label", "carried lazy" if kw.get("lazy") else "carried")
     return Scenario(point, expect, label=label, last="c", carried=True, **kw)

@@ -23,6 +23,7 @@ from coordinator import (
 )
 from coordinator.decision_log import Decision
 from coordinator.errors import FencedError
+from resource_managers.message_log import MessageLog, MessageLogResource
 from resource_managers.postgres import PostgresResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager
@@ -190,3 +191,71 @@ def test_recovery_defers_while_the_last_database_is_down(
     assert len(prepared_gids(pair.engines[0])) == 1  # never presumed aborted
     tm2 = make_manager(managers, [pair.a, pair.last], node_id="node-1", recover_on_start=False)
     assert tm2.recover(force=True).rolled_back == [branch.to_gid()]
+
+
+# -- carried branches (coordinator.carried) ------------------------------------------------------
+
+
+def test_a_message_log_branch_rides_the_commit_with_no_forced_record(
+    pair: Pair, managers: list[TransactionManager], tmp_path: Path
+) -> None:
+    """The log's staged messages travel in the decision row; the log writes one lazy record,
+    remembers the gid until the row's deletion has committed, then forgets it."""
+    mlog = MessageLog(tmp_path / "mlog", lazy_delay=60.0)
+    try:
+        mr = MessageLogResource(mlog)
+        tm = make_manager(managers, [pair.last, mr], FileDecisionLog(tmp_path / "log"))
+        forced = mlog.stats().forced_records
+        with tm.transaction() as tx:
+            move(tx.join(pair.last), "t1", 1, 10)
+            tx.join(mr).send("orders", b"m1")
+        assert mlog.stats().forced_records == forced  # no prepare, no forced commit
+        with pair.engines[1].connect() as conn:
+            row = conn.execute(
+                text("SELECT carried_names, carried FROM twopc_decision_row WHERE gtrid = :g"),
+                {"g": tx.gtrid},
+            ).one()
+        assert list(row[0]) == ["mlog"] and b"m1" not in bytes(row[1][0])  # the body is base64
+        assert mlog.pending("orders") == []  # visible once the lazy record is durable
+        mr.flush_commits()
+        assert [m.body for _, m in mlog.pending("orders")] == [b"m1"]
+        first = Xid.branch_of(tx.gtrid, "mlog").to_gid()
+        assert mr.carried_gids() == {first}
+        with tm.transaction() as tx2:  # its commit deletes the first row, then the log forgets
+            move(tx2.join(pair.last), "t2", 1, 10)
+            tx2.join(mr).send("orders", b"m2")
+        mr.flush_commits()
+        assert mr.carried_gids() == {Xid.branch_of(tx2.gtrid, "mlog").to_gid()}
+        assert set(pair.rows()) == {tx2.gtrid}
+        assert tm.recover(force=True).clean  # nothing to restore: every gid is remembered
+        assert [m.body for _, m in mlog.pending("orders")] == [b"m1", b"m2"]
+        assert pair.rows() == {} and mr.carried_gids() == set()
+    finally:
+        tm.close()
+        mlog.close()
+
+
+def test_a_decision_table_from_before_carried_branches_gets_their_columns(
+    make_pg_database: Callable[[], str], pg_driver: str
+) -> None:
+    engine = ledger_engine(on_driver(make_pg_database(), pg_driver))
+    try:
+        with engine.begin() as conn:  # the table as earlier versions created it
+            conn.execute(
+                text(
+                    "CREATE TABLE twopc_decision_row (gtrid text PRIMARY KEY, node_id text NOT "
+                    "NULL, outcome text NOT NULL CHECK (outcome IN ('c', 'a')), branches text[] "
+                    "NOT NULL DEFAULT '{}', written_at timestamptz NOT NULL DEFAULT now())"
+                )
+            )
+        assert PostgresResource(engine, "last", last_resource=True).carries_branches()
+        with engine.connect() as conn:
+            columns = conn.execute(
+                text(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = 'twopc_decision_row' ORDER BY column_name"
+                )
+            ).scalars()
+            assert {"carried", "carried_names"} <= set(columns)
+    finally:
+        engine.dispose()
