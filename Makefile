@@ -39,8 +39,12 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python tools/check_layering.py
 
+# two test processes (pytest-xdist) by default, four at most: the suite waits on subprocesses,
+# fsyncs and servers more than it computes, so two workers halve it on a 2-core machine
+TEST_WORKERS ?= auto
+
 test: lint servers docker
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --numprocesses=$(TEST_WORKERS) --maxprocesses=4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -9,7 +9,8 @@ import pytest
 from coordinator import TransactionManager
 
 #: real PostgreSQL and Redis servers: pg_server, pg_url, make_pg_database, private_pg, redis_*
-pytest_plugins = ["tests.support.servers"]
+#: the crash matrix's rows and its table after the session (tests/support/crash_matrix.py)
+pytest_plugins = ["tests.support.servers", "tests.support.crash_matrix"]
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ compaction by acknowledgment, non-persistent messages, and bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -536,7 +537,7 @@ def test_remembered_carried_commits_survive_compaction_until_forgotten(logdir: P
             payload = mr.stage(xid)
             assert payload is not None
             done: list[bool] = []
-            mr.commit_carried(xid, payload, lambda: done.append(True))
+            mr.commit_carried(xid, payload, functools.partial(done.append, True))
             log.flush_commits()
             assert done == [True]
             gids.append(xid.to_gid())
