@@ -12,8 +12,11 @@ work and the waits (round trips, fsyncs) are not instructions of it.
 - ``sqlalchemy``: the same through SQLAlchemy Core (``engine.begin()``, ``conn.execute(text)``).
 - ``twopc pg``: a transaction with the PostgreSQL branch alone (the last resource, one phase).
 - ``twopc log``: a transaction with the message-log branch alone (one phase, one forced record).
-- ``twopc eo``: both: the log prepared, PostgreSQL's commit carrying the decision, the log's
-  commit record lazy: `twopc-eo`'s producer.
+- ``twopc eo``: both: PostgreSQL's commit carrying the decision and the log's branch (its
+  staged messages in the decision row, `coordinator.carried`), the log's commit record lazy:
+  `twopc-eo`'s producer.
+- ``twopc eo prepared``: the same with the log's branch prepared (a forced record) before that
+  commit (``rides_last_resource=False``): the path before carried branches.
 - ``twopc eo dbapi``: the same, the row written through the branch's driver connection
   (``pg.dbapi_connection(tx)``, a lean handle) instead of SQLAlchemy Core.
 
@@ -31,7 +34,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = (100, 400)
-ROWS = ("psycopg2", "sqlalchemy", "twopc pg", "twopc log", "twopc eo", "twopc eo dbapi")
+ROWS = (
+    "psycopg2",
+    "sqlalchemy",
+    "twopc pg",
+    "twopc log",
+    "twopc eo",
+    "twopc eo prepared",
+    "twopc eo dbapi",
+)
 
 CHILD = """
 import os, sys, tempfile, uuid
@@ -64,10 +75,10 @@ if row == "sqlalchemy":
     raise SystemExit(0)
 work = Path(tempfile.mkdtemp())
 mlog = MessageLog(work / "log")
-log_res = MessageLogResource(mlog, "mlog")
+log_res = MessageLogResource(mlog, "mlog", rides_last_resource=row != "twopc eo prepared")
 pg = PostgresResource(engine, "pg", last_resource=True)
 resources = {{"twopc pg": [pg], "twopc log": [log_res], "twopc eo": [log_res, pg],
-              "twopc eo dbapi": [log_res, pg]}}[row]
+              "twopc eo prepared": [log_res, pg], "twopc eo dbapi": [log_res, pg]}}[row]
 RAW = INSERT.replace(":ids", "%(ids)s").replace(":bodies", "%(bodies)s")
 tm = TransactionManager("p", FileDecisionLog(work / "txlog"), resources,
                         recovery_interval=None, reaper_interval=None, inline_completion=True)
