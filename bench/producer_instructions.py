@@ -99,7 +99,11 @@ mlog.close()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
     args = parser.parse_args()
+    chosen = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if not chosen or set(chosen) - set(ROWS):
+        parser.error(f"--rows: unknown rows {sorted(set(chosen) - set(ROWS))}")
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
@@ -121,7 +125,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "child.py"
             script.write_text(CHILD.format(root=str(ROOT), bench=str(ROOT / "bench")))
-            for row in ROWS:
+            for row in chosen:
                 low, high = (instructions(script, row, n, dsn, url) for n in RUNS)
                 per_tx = (high - low) // (RUNS[1] - RUNS[0])
                 rows.append({"row": row, "instructions_per_tx": per_tx})

@@ -134,6 +134,9 @@ async def run(
 
     try:
         await asyncio.gather(*(one(rng.randrange(2**32)) for _ in range(args.transfers)))
+        # the notices' commit records are lazy: a moment after the last commit returned, the
+        # last ones may still be on their way to disk, their decisions not ended yet
+        notices.flush_commits()
         in_doubt = tm.in_doubt()
         if in_doubt:
             tally.given_up.append(f"in doubt: {in_doubt}")

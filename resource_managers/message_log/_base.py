@@ -59,6 +59,16 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+@dataclass
+class Staged:
+    """A staged branch: its messages, their record objects and the payload made of them (the
+    commit record reuses both: one base64 and one JSON encoding per message, not two)."""
+
+    messages: list[Message]
+    objs: list[dict[str, Any]]  # the persistent messages' record objects
+    payload: bytes
+
+
 class LogBase:
     """What every part of `MessageLog` shares: one lock (``_lock``, with its condition
     ``changed``) over the numbering, the numbers in flight and the per-destination counts; the
@@ -79,7 +89,8 @@ class LogBase:
     _inflight: dict[str, set[int]]  # stream -> numbers taken whose commit is not published
     _held: dict[str, int]  # destination -> prepared-but-uncommitted messages
     _volatile_prepared: dict[str, list[Message]]
-    _staged: dict[str, list[Message]]  # gid -> a carried branch's messages (`._carried`)
+    _staged: dict[str, Staged]  # gid -> a carried branch (`._carried`)
+    _forgetting: set[str]  # remembered gids to forget with the next record (`._carried`)
     version: int  # bumped whenever messages become visible
     _journal: Journal
     _compaction: Compaction

@@ -16,7 +16,8 @@ KINDS = {
 FIELDS = {
     "n": "number", "m": "messages", "s": "numbered", "t": "at_ms", "q": "stream", "e": "epoch",
     "u": "acknowledged_to", "l": "numbers", "x": "next", "a": "acknowledged", "o": "message",
-    "w": "gids", "r": "carried", "O.n": "incarnation", "O.i": "identity", "Q.n": "seq",
+    "w": "gids", "r": "carried", "f": "forgets",
+    "O.n": "incarnation", "O.i": "identity", "Q.n": "seq",
 }  # fmt: skip
 
 

@@ -46,6 +46,7 @@ from ._base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TOMBSTONE_SECONDS,
     MessageLogStats,
+    Staged,
     log,
     now_ms,
 )
@@ -107,7 +108,8 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
         self._inflight: dict[str, set[int]] = {}
         self._held: dict[str, int] = {}  # destination -> prepared-but-uncommitted messages
         self._volatile_prepared: dict[str, list[Message]] = {}
-        self._staged: dict[str, list[Message]] = {}  # carried branches (`._carried`)
+        self._staged: dict[str, Staged] = {}  # carried branches (`._carried`)
+        self._forgetting: set[str] = set()  # forgets waiting for a record (`._carried`)
         self.version = 0  # bumped whenever messages become visible
         self._journal = Journal(
             self.directory,
@@ -209,7 +211,12 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
             return {n: len(s.messages) for n, s in self._state.streams.items() if s.messages}
 
     def close(self) -> None:
-        """Write lazy records (acknowledgments, tombstones, commits), fsync, release the lock."""
+        """Write lazy records (acknowledgments, tombstones, commits, forgets), fsync, release the
+        lock."""
+        try:
+            self.flush_forgets()
+        except Exception:  # a forget lost is repeated by recovery; the close must go on
+            log.warning("message log %s: pending forgets not written", self.directory)
         self._lazy.close()
         self._journal.close()
         self._lazy.settle()

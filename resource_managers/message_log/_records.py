@@ -13,7 +13,8 @@ Kinds (``k``):
 - ``P`` prepare: ``g`` gid, ``m`` the persistent messages (forced).
 - ``C`` commit: ``g`` gid, ``s`` one ``[stream, seq]`` per message of its ``P``, in order (forced).
 - ``1`` one-phase commit: ``g``, ``m`` and ``s`` together, in one forced write; with ``r`` (1)
-  a carried branch's commit (`._carried`: lazy, and the gid is remembered until ``W``).
+  a carried branch's commit (`._carried`: lazy, and the gid is remembered until ``W``); its
+  ``f``, if any, lists remembered gids to forget (as a ``W`` would).
 - ``R`` rollback: ``g``, ``t`` wall-clock ms: the tombstone (lazy).
 - ``F`` forget: ``g`` (lazy).
 - ``A`` acknowledged: ``q`` stream, ``e`` epoch, ``u`` up to and including this number (lazy).
@@ -167,8 +168,10 @@ def decode(payload: bytes) -> dict[str, Any]:
             _CHECKS[key](obj[key])
         if kind == "O" and "i" in obj:
             _identity(obj["i"])
-        if "r" in obj and (kind != "1" or obj["r"] != 1):
-            raise TypeError("only a one-phase commit is carried (r: 1)")
+        if ("r" in obj or "f" in obj) and (kind != "1" or obj.get("r") != 1):
+            raise TypeError("only a carried one-phase commit has r (1) and f")
+        if "f" in obj:
+            _strs(obj["f"])
         return obj
     except (ValueError, KeyError, TypeError, binascii.Error) as exc:
         raise LogCorruptionError(

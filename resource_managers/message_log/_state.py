@@ -117,6 +117,7 @@ class LogState:
     def _commit(self, r: dict[str, Any]) -> None:
         gid = r["g"]
         one_phase = r["k"] == "1"
+        self.remembered.difference_update(r.get("f", ()))  # forgets riding a carried commit
         if one_phase and gid in self.remembered:  # a carried commit replayed twice
             return
         messages = [to_message(m) for m in r["m"]] if one_phase else self.prepared.pop(gid, [])

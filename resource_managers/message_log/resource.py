@@ -320,7 +320,9 @@ class MessageLogResource(Branches[ProducerBranch]):
         )  # fmt: skip
 
     def flush_commits(self) -> None:
-        """Lazy commit records durable now (`TransactionManager.close` calls this)."""
+        """Lazy commit records (and the carried commits' pending forgets) durable now
+        (`TransactionManager.close` calls this)."""
+        self.log.flush_forgets()
         self.log.flush_commits()
 
     def rollback(self, xid: Xid) -> Outcome | None:

@@ -411,13 +411,23 @@ JOURNAL_POINTS = points_in((ROOT / "coordinator/journal").rglob("*.py"))
 POSTGRES_POINTS = points_in((ROOT / "resource_managers/postgres").glob("*.py"))
 DATABASES = ("a", "b", "c")
 
-#: the coordinator points only a branch committing lazily reaches (`coordinator.lazy_commit`):
-#: PostgreSQL and Redis branches commit durably, so the file matrix's lazy test resources and the
-#: message log's and cursor's kill tests cover them
-LAZY_POINTS = frozenset(re.escape(p) for p in ("tm.end_deferred", "tm.before_deferred_end"))
+#: the coordinator points only a branch committing lazily (`coordinator.lazy_commit`) or a carried
+#: branch (`coordinator.carried`) reaches: PostgreSQL and Redis branches commit durably and are
+#: never carried, so the file matrix's lazy and carried test resources and the message log's and
+#: cursor's kill tests cover them
+LAZY_POINTS = frozenset(
+    re.escape(p)
+    for p in (
+        "tm.end_deferred",
+        "tm.before_deferred_end",
+        "tm.carried.after_stage",
+        "tm.carried.before_forget",
+        "recovery.carried.after_restore",
+    )
+)
 
 PG_SCENARIOS = [
-    *(s for s in SCENARIOS if declared_by(COORDINATOR_POINTS, s) and not s.lazy),
+    *(s for s in SCENARIOS if declared_by(COORDINATOR_POINTS, s) and not s.lazy and not s.carried),
     # PostgreSQL prepared the branch; the coordinator never heard the vote.
     *(Scenario(f"postgres.{r}.after_prepare:3", ROLLED_BACK) for r in DATABASES),
     # c is the last resource: recovery killed as it is about to read (and fence) c's table

@@ -276,7 +276,7 @@ def check(
 # -- the matrix ----------------------------------------------------------------------------------
 
 REDIS_SCENARIOS = [
-    *(s for s in SCENARIOS if declared_by(COORDINATOR_POINTS, s) and not s.lazy),
+    *(s for s in SCENARIOS if declared_by(COORDINATOR_POINTS, s) and not s.lazy and not s.carried),
     # PostgreSQL prepared the branch; the coordinator never heard the vote.
     Scenario("postgres.a.after_prepare:3", ROLLED_BACK),
     # The write set is built, nothing of it in Redis yet (a is prepared).

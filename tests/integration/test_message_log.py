@@ -29,6 +29,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.decision_log import Decision
+from coordinator.journal import Journal
 from resource_managers.message_log import (
     BranchRolledBack,
     DestinationFullError,
@@ -37,6 +38,7 @@ from resource_managers.message_log import (
     MessageLogResource,
     ProducerBranch,
 )
+from resource_managers.message_log._records import decode, to_message
 from resource_managers.postgres import PostgresResource
 from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
@@ -564,3 +566,29 @@ def test_a_staged_branch_rolled_back_leaves_no_trace(logdir: Path) -> None:
         assert mr.rollback(xid) is None
         assert not log.is_tombstoned(xid.to_gid()) and log.prepared_gids() == []
         mr.start(Xid.branch_of("node-1:s-3", mr.name)).send("orders", b"z")  # room again
+
+
+def test_a_carried_commit_record_reuses_the_payload_and_carries_forgets(logdir: Path) -> None:
+    """The ``1`` record is spliced from the staged payload's bytes: it must decode to exactly
+    the record the state applies, and the forgets waiting for a record ride it (``f``)."""
+    with MessageLog(logdir) as log:
+        mr = MessageLogResource(log)
+        first = Xid.branch_of("node-1:f-1", mr.name)
+        mr.start(first).send("orders", b"one", headers={"h": "\u00e9"})
+        mr.commit_carried(first, mr.stage(first) or b"", lambda: None)
+        log.flush_commits()
+        mr.forget_carried([first.to_gid()])
+        assert mr.carried_gids() == set()  # pending: not reported, written with the next record
+        second = Xid.branch_of("node-1:f-2", mr.name)
+        mr.start(second).send("orders", b"two")
+        mr.commit_carried(second, mr.stage(second) or b"", lambda: None)
+        log.flush_commits()
+    payloads: list[bytes] = []
+    Journal(logdir, replay=payloads.append, kind="message-log").close()  # read every record
+    records = [decode(p) for p in payloads]
+    ones = [r for r in records if r["k"] == "1"]
+    assert [r["g"] for r in ones] == [first.to_gid(), second.to_gid()]
+    assert ones[1]["f"] == [first.to_gid()] and ones[1]["r"] == 1
+    assert [to_message(m).body for r in ones for m in r["m"]] == [b"one", b"two"]
+    with MessageLog(logdir) as log:  # replay: the forget rode the second commit
+        assert MessageLogResource(log).carried_gids() == {second.to_gid()}
