@@ -363,6 +363,10 @@ def _forget_carried(tx: Transaction, names: tuple[str, ...]) -> None:
     """The decision row is gone: the riders may stop remembering their carried commits (a
     lost forget is repeated by recovery, which finds the gid remembered and no row)."""
     crash_point("tm.carried.before_forget")
+    tx.runtime.forget_gate.forget(functools.partial(_forget_now, tx, names))
+
+
+def _forget_now(tx: Transaction, names: tuple[str, ...]) -> None:
     for name in names:
         branch = tx.branches[name]
         try:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
+from .carried import ForgetGate
 from .decision_log import DecisionLog
 from .errors import LogWriteError
 from .metrics import Metrics
@@ -66,6 +67,8 @@ class Runtime(Generic[TxT]):
         self.abort = abort
         #: names of the resources whose commit can carry the log's own record (`CarryingLog`)
         self.carriers: set[str] = set()
+        #: carried branches' forgets wait here while recovery reads rows (`carried.ForgetGate`)
+        self.forget_gate = ForgetGate()
         self._max_workers = max_workers
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()

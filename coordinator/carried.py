@@ -42,7 +42,9 @@ The store's contract (`rides` tells whether a resource has it):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import threading
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from ._verbs import CARRY, verbs_of
@@ -78,6 +80,45 @@ class CarryingLastResource(Protocol):
 
     def end_decision(self, gtrid: str, then: Callable[[], None] | None = None) -> None:
         """As `LastResource.end_decision`; ``then`` runs once the row's deletion committed."""
+
+
+class ForgetGate:
+    """Holds the live path's forgets back while a recovery pass reads and acts on the rows.
+
+    A pass reads the remembered gids, then the rows, then restores. A carried commit still in
+    memory at the first read (not yet remembered) may become durable, see its row deleted by a
+    later commit and its gid forgotten before the pass gets to that row, which the pass read
+    while it existed: the restore would then find the gid neither staged nor remembered and
+    apply the payload a second time. Recovery therefore holds this gate from its first read to
+    its last restore, and every forget of the live path that comes meanwhile waits until then:
+    the store still remembers the gid, and its ``restore_carried`` answers "already there".
+    One gate per manager (its transactions and its recovery)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._queued: list[Callable[[], None]] = []
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                queued, self._queued = (self._queued, []) if self._holds == 0 else ([], [])
+            for forget in queued:
+                forget()
+
+    def forget(self, forget: Callable[[], None]) -> None:
+        """Run ``forget`` now, or once no pass holds the gate."""
+        with self._lock:
+            if self._holds:
+                self._queued.append(forget)
+                return
+        forget()
 
 
 def rides(resource: object) -> TypeGuard[CarriedBranches]:

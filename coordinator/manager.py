@@ -206,6 +206,7 @@ class TransactionManager:
             self.metrics,
             backoff or ExponentialBackoff(),
             sub_branch_grace=sub_branch_grace,
+            forget_gate=self._runtime.forget_gate,
         )
         self._recovery.retries_later = bool(recovery_interval)
         self._tickers: list[_reaper.Ticker] = []

@@ -40,6 +40,7 @@ from . import protocol
 from ._carried_recovery import forget_carried, restore_carried
 from ._completion import judge_commit, record_heuristic, write_end
 from .backoff import Backoff
+from .carried import ForgetGate
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog
 from .errors import InvalidXidError, TransactionError
@@ -111,9 +112,12 @@ class Recovery:
         *,
         sub_branch_grace: float = 900.0,
         clock: Callable[[], float] = time.time,
+        forget_gate: ForgetGate | None = None,
     ) -> None:
         self.node_id = node_id
         self.sub_branch_grace = sub_branch_grace
+        #: the manager's: live forgets wait while this reads rows (`carried.ForgetGate`)
+        self.forget_gate = forget_gate or ForgetGate()
         self._clock = clock
         self.log = log_
         self.resources = resources
@@ -217,7 +221,8 @@ class Recovery:
             prepared[xid.gtrid] -= done
         if complete:
             run = _CarriedPass(self, guard, report)
-            unsettled = restore_carried(run, lasts)
+            with self.forget_gate.holding():
+                unsettled = restore_carried(run, lasts)
             if unsettled is not None:  # else a store or a row could not be read: keep every row
                 dropped = self._drop_ended_decisions(lasts, set(+prepared) | unsettled, guard)
                 forget_carried(run, dropped)

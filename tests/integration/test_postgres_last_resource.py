@@ -259,3 +259,36 @@ def test_a_decision_table_from_before_carried_branches_gets_their_columns(
             assert {"carried", "carried_names"} <= set(columns)
     finally:
         engine.dispose()
+
+
+def test_a_recovery_pass_with_a_stale_row_restores_nothing_twice(
+    pair: Pair, managers: list[TransactionManager], tmp_path: Path
+) -> None:
+    """A pass read the remembered gids while X's record was still in memory, then X's row; X
+    then became durable, its row went with a later commit and its forget came while the pass
+    still held the row it read: the forget waits for the pass (`ForgetGate`), so the restore
+    finds X remembered and applies nothing twice."""
+    mlog = MessageLog(tmp_path / "mlog", lazy_delay=60.0)
+    try:
+        mr = MessageLogResource(mlog)
+        tm = make_manager(managers, [pair.last, mr], FileDecisionLog(tmp_path / "log"))
+        with tm.transaction() as tx:
+            move(tx.join(pair.last), "t1", 1, 10)
+            tx.join(mr).send("orders", b"x")
+        x = Xid.branch_of(tx.gtrid, "mlog")
+        gate = tm._runtime.forget_gate
+        with gate.holding():  # the pass, from its first read to its last restore
+            assert x.to_gid() not in mr.carried_gids()  # still in memory: not remembered
+            [payload] = pair.last.carried_of("node-1")[tx.gtrid].values()
+            mr.flush_commits()  # X durable; its row's deletion queued for the next commit
+            with tm.transaction() as tx2:  # deletes X's row; X's forget now waits
+                move(tx2.join(pair.last), "t2", 1, 10)
+                tx2.join(mr).send("orders", b"y")
+            assert tx.gtrid not in pair.rows()
+            mr.restore_carried(x, payload)  # the pass acts on the row it read
+        mr.flush_commits()
+        assert [m.body for _, m in mlog.pending("orders")] == [b"x", b"y"]
+        assert x.to_gid() not in mr.carried_gids()  # forgotten once the pass let go
+    finally:
+        tm.close()
+        mlog.close()
