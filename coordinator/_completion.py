@@ -350,8 +350,7 @@ def _apply_carried(tx: Transaction, carried: list[tuple[str, bytes]], latch: End
         except Exception as exc:
             if tx.trace is not None:
                 _traced(tx, "commit", started, branch, exc)
-            log.warning("carried commit of %s not applied, left to recovery: %r", branch.xid, exc)
-            tx.runtime.metrics.incr("commit_unreachable")
+            _unconfirmed(tx, branch, exc)
             tx.unconfirmed.add(name)
             continue
         if tx.trace is not None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from ._verbs import CARRY, verbs_of
 from .xid import Xid
@@ -130,12 +130,3 @@ def carries(resource: object) -> TypeGuard[CarryingLastResource]:
     """True for a last resource that can hold carried payloads in its decision rows."""
     answer = getattr(resource, "carries_branches", None)
     return callable(answer) and bool(answer())
-
-
-def gid_of(gtrid: str, branch: str) -> str:
-    return Xid.branch_of(gtrid, branch).to_gid()
-
-
-def payloads(pairs: Collection[tuple[str, bytes]]) -> dict[str, Any]:
-    """A decision's carried pairs as a mapping (for messages and tests)."""
-    return dict(pairs)

@@ -172,13 +172,29 @@ class BranchOps(LogBase):
             return
         self._publish(volatile, vnumbers, [], one_phase=False)
         record = {"k": "C", "g": gid, "s": [list(n) for n in numbers]}
-        payload = encode(record)
+        self._submit_settling(record, encode(record), numbers, durable, on_durable, force=False)
+
+    def _submit_settling(
+        self,
+        record: dict[str, Any],
+        payload: bytes,
+        numbers: list[tuple[str, int]],
+        held: list[Message],
+        on_durable: Callable[[], None],
+        *,
+        force: bool,
+    ) -> None:
+        """Write a commit record (``payload``), forced only if ``force``, and apply it; its gid
+        stays settling until the record is durable, when its ``numbers`` are published and
+        ``on_durable`` runs. ``held``: the messages it stops counting against their
+        destinations. A failed write burns the numbers (`commit_lazily`, `commit_carried`)."""
+        gid = record["g"]
         self._gate.enter_shared()
         try:
             try:
                 with self._lock:
-                    ticket = self._journal.submit(payload, False)
-                    self._hold_locked(self._state.prepared.get(gid, []), -1)
+                    ticket = self._journal.submit(payload, force)
+                    self._hold_locked(held, -1)
                     self._state.apply(record)
                     self._settling.add(gid)
                     self._committing.discard(gid)
@@ -198,7 +214,7 @@ class BranchOps(LogBase):
             on_durable()
 
         self._lazy.watch(ticket, durable_now)
-        self._journal.wait(ticket)  # only a lazy backlog past its bound waits (an fsync)
+        self._journal.wait(ticket)  # forced: its fsync; lazy: only a backlog past its bound
         self._compaction.maybe()
         self._lazy.settle()
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-from coordinator.errors import LogWriteError
-
 from ._base import BranchRolledBack, LogBase, Staged, log
 from ._records import Message, encode, message_obj
 from ._validation import check_message
@@ -33,6 +31,7 @@ class CarriedOps(LogBase):
     _take_number: Callable[[str], tuple[str, int]]
     _stream_of: Callable[[Message], str]
     _publish: Callable[..., None]
+    _submit_settling: Callable[..., None]
     commit: Callable[..., None]
 
     def stage(self, gid: str, messages: list[Message]) -> bytes:
@@ -74,7 +73,6 @@ class CarriedOps(LogBase):
             staged = self._staged.pop(gid)
             durable = [m for m in staged.messages if m.persistent]
             volatile = [m for m in staged.messages if not m.persistent]
-            self._hold_locked(durable, -1)  # volatile ones: released when published
             self._committing.add(gid)
             numbers = [self._take_number(self._stream_of(m)) for m in durable]
             vnumbers = [self._take_number(self._stream_of(m)) for m in volatile]
@@ -86,33 +84,7 @@ class CarriedOps(LogBase):
             record["f"] = forgets
         record["r"] = 1
         payload = _commit_bytes(staged.payload, record)
-        self._gate.enter_shared()
-        try:
-            try:
-                with self._lock:
-                    ticket = self._journal.submit(payload, force)
-                    self._state.apply(record)
-                    self._settling.add(gid)
-                    self._committing.discard(gid)
-                    self.changed.notify_all()
-            except LogWriteError as exc:
-                self._publish([], [], numbers, one_phase=False, committed=gid)  # burned
-                raise LogWriteError(
-                    f"message log {self.directory}: {exc.message}", durable=exc.durable
-                ) from exc
-        finally:
-            self._gate.exit_shared()
-
-        def durable_now() -> None:
-            with self._lock:
-                self._settling.discard(gid)
-            self._publish([], [], numbers, one_phase=False)
-            on_durable()
-
-        self._lazy.watch(ticket, durable_now)
-        self._journal.wait(ticket)  # forced: its fsync; lazy: only a backlog past its bound
-        self._compaction.maybe()
-        self._lazy.settle()
+        self._submit_settling(record, payload, numbers, durable, on_durable, force=force)
 
     def restore_carried(self, gid: str, messages: list[Message]) -> None:
         """Recovery found ``gid``'s row and the log does not remember it: commit ``messages``

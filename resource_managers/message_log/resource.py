@@ -192,12 +192,7 @@ class MessageLogResource(Branches[ProducerBranch]):
     def prepare(self, xid: Xid, *, after: Sequence[str] = ()) -> Vote:
         """``after``: branches of this resource and coordinator node whose commit was decided
         before this branch's transaction began (`commit_earlier`)."""
-        branch = self._take(xid)
-        gid = xid.to_gid()
-        if self.log.is_tombstoned(gid):
-            raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone); no prepare")
-        if branch.doomed is not None:
-            raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
+        branch, gid = self._voting(xid)
         earlier = self.commit_earlier(xid, after)
         if not branch.messages:
             vote = Vote.READ_ONLY
@@ -214,12 +209,7 @@ class MessageLogResource(Branches[ProducerBranch]):
 
     def stage(self, xid: Xid) -> bytes | None:
         """Phase one without a record: the checks of `prepare`, the messages kept in memory."""
-        branch = self._take(xid)
-        gid = xid.to_gid()
-        if self.log.is_tombstoned(gid):
-            raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone); no prepare")
-        if branch.doomed is not None:
-            raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
+        branch, gid = self._voting(xid)
         if not branch.messages:
             return None
         return self.log.stage(gid, branch.messages)
@@ -252,6 +242,17 @@ class MessageLogResource(Branches[ProducerBranch]):
 
     def forget_carried(self, gids: Collection[str]) -> None:
         self.log.forget_carried(gids)
+
+    def _voting(self, xid: Xid) -> tuple[StagingBranch, str]:
+        """The branch leaving its active state for phase one, and its gid; raises the no vote
+        of a branch rolled back meanwhile (its tombstone) or doomed by a refused send."""
+        branch = self._take(xid)
+        gid = xid.to_gid()
+        if self.log.is_tombstoned(gid):
+            raise BranchRolledBack(f"{self._name}: {gid} was rolled back (tombstone); no prepare")
+        if branch.doomed is not None:
+            raise BranchDoomed(f"{self._name}: {gid}: {branch.doomed}")
+        return branch, gid
 
     def commit_earlier(self, xid: Xid, gids: Sequence[str]) -> bool:
         """Commit the branches ``gids`` still prepared here, before ``xid`` takes numbers.

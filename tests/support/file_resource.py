@@ -449,16 +449,20 @@ class FileResource:
             if ops is None or xid in self._committed or xid in self._aborted:
                 outcome = None
             else:
-                self._lazy.append((xid, ops, on_durable))
-                if self._lazy_timer is None:
-                    self._lazy_timer = threading.Timer(LAZY_DELAY, self.flush_commits)
-                    self._lazy_timer.daemon = True
-                    self._lazy_timer.start()
-                crash_point(f"fileres.{self._name}.after_lazy_commit")
+                self._queue_lazy(xid, ops, on_durable)
                 return None
         outcome = self.commit(xid)
         on_durable()
         return outcome
+
+    def _queue_lazy(self, xid: Xid, ops: list[Op], on_durable: Callable[[], None]) -> None:
+        """Under the lock: queue a commit for the timer (or `flush_commits`) to apply."""
+        self._lazy.append((xid, ops, on_durable))
+        if self._lazy_timer is None:
+            self._lazy_timer = threading.Timer(LAZY_DELAY, self.flush_commits)
+            self._lazy_timer.daemon = True
+            self._lazy_timer.start()
+        crash_point(f"fileres.{self._name}.after_lazy_commit")
 
     def flush_commits(self) -> None:
         """Apply the queued lazy commits on disk, then run their callbacks (a flush running on
@@ -594,12 +598,7 @@ class FileResource:
                 lazy = False
             else:
                 self._lazy_remember.add(xid)
-                self._lazy.append((xid, ops, on_durable))
-                if self._lazy_timer is None:
-                    self._lazy_timer = threading.Timer(LAZY_DELAY, self.flush_commits)
-                    self._lazy_timer.daemon = True
-                    self._lazy_timer.start()
-                crash_point(f"fileres.{self._name}.after_lazy_commit")
+                self._queue_lazy(xid, ops, on_durable)
                 lazy = True
         if not lazy:
             on_durable()
