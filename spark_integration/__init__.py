@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from .driver_commit import CommitReport, abort, commit
 from .ids import make_gtrid
-from .partition_writer import CommitMessage, write_partition
+from .partition_writer import CommitMessage, StaleAttemptError, new_run, write_partition
 from .recovery import recovery_manager
 from .targets import WriteConfig, parse_options
 
@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CommitMessage",
     "CommitReport",
+    "StaleAttemptError",
     "WriteConfig",
     "abort",
     "commit",
     "make_gtrid",
+    "new_run",
     "parse_options",
     "recovery_manager",
     "register",

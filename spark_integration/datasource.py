@@ -49,7 +49,7 @@ from coordinator import ConfigurationError
 from . import driver_commit
 from .arrow_choice import use_arrow
 from .ids import make_gtrid
-from .partition_writer import CommitMessage, write_partition
+from .partition_writer import CommitMessage, new_run, write_partition
 from .targets import parse_options
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class TwopcBatchWriter(DataSourceWriter):
     def __init__(self, options: Mapping[str, str], gtrid: str) -> None:
         self.options = dict(options)
         self.gtrid = gtrid
+        self.run = new_run()
 
     def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
         context = _task()
@@ -117,6 +118,7 @@ class TwopcBatchWriter(DataSourceWriter):
             attempt=context.attemptNumber(),
             task_attempt_id=context.taskAttemptId(),
             gtrid=self.gtrid,
+            run=self.run,
         )
         return TwopcCommitMessage(message)
 
@@ -140,6 +142,7 @@ class TwopcArrowBatchWriter(TwopcBatchWriter, DataSourceArrowWriter):
             attempt=context.attemptNumber(),
             task_attempt_id=context.taskAttemptId(),
             gtrid=self.gtrid,
+            run=self.run,
         )
         return TwopcCommitMessage(message)
 
@@ -149,6 +152,7 @@ class TwopcStreamWriter(DataSourceStreamWriter):
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.options = dict(options)
+        self.run = new_run()
 
     def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
         context = _task()
@@ -162,6 +166,7 @@ class TwopcStreamWriter(DataSourceStreamWriter):
             attempt=context.attemptNumber(),
             task_attempt_id=context.taskAttemptId(),
             batch_id=int(batch),
+            run=self.run,
         )
         return TwopcCommitMessage(message)
 

@@ -7,7 +7,8 @@ branch ids in its commit message; the driver commits the chosen ones and rolls b
 
 Steps, and why in this order:
 1. A committed gtrid (a replayed micro-batch, a batch job re-run with its ``txnVersion``) writes
-   nothing and says so (``skipped``): the rows are already there.
+   nothing and says so (``skipped``): the rows are already there. Older attempts of the
+   partition are retired; an attempt that finds a newer one prepared stops (a zombie).
 2. Write every row into every target, in chunks (the row iterator is read once and never held
    whole), then prepare each branch.
 3. Fence: read the decision again. If the gtrid got decided meanwhile (this attempt is a late
@@ -34,7 +35,7 @@ import psycopg2.extras
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from coordinator import ConfigurationError, Vote, Xid
+from coordinator import ConfigurationError, TransactionRolledBack, Vote, Xid
 
 from .connect import Opened, open_targets, rollback_prepared, rollback_quietly
 from .ids import branch_xid, make_gtrid, parse_branch
@@ -51,6 +52,19 @@ from .targets import (
 log = logging.getLogger("twopc.spark.writer")
 
 CHUNK_ROWS = 1000
+
+
+class StaleAttemptError(TransactionRolledBack):
+    """A task attempt started writing after a newer attempt of its partition had prepared: Spark
+    has already replaced it, so it writes nothing (and leaves the newer attempt's branches be)."""
+
+    reason = "stale-attempt"
+
+
+def new_run() -> str:
+    """A token for one driver-side write (made once, on the driver, and given to every task):
+    it tells this write's task attempts from those of an earlier run of the same gtrid."""
+    return secrets.token_hex(2)
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,14 @@ def write_partition(
     task_attempt_id: int,
     batch_id: int | None = None,
     gtrid: str | None = None,
+    run: str | None = None,
 ) -> CommitMessage:
-    """Write ``rows`` into every target under prepared branches; see the module docstring."""
+    """Write ``rows`` into every target under prepared branches; see the module docstring.
+
+    ``run`` names the driver-side write this task belongs to (`new_run`, made once per write on
+    the driver): within one run Spark's task attempt ids grow with scheduling order, so an
+    attempt can tell a newer attempt of its partition from an older one (see
+    `_retire_other_attempts`). Without it every other attempt counts as older."""
     gtrid, config = resolve_gtrid(options, batch_id, gtrid)
     base = CommitMessage(gtrid, partition, attempt, task_attempt_id)
     with open_targets(config) as opened:
@@ -114,9 +134,9 @@ def write_partition(
                 pass
             log.info("%s already committed: partition %d writes nothing", gtrid, partition)
             return replace(base, skipped=True)
-        _retire_other_attempts(opened, gtrid, partition)
+        _retire_other_attempts(opened, gtrid, partition, run, task_attempt_id)
         born = time.time()
-        nonce = secrets.token_hex(2)
+        nonce = run or secrets.token_hex(2)
         xids = {
             name: branch_xid(
                 gtrid,
@@ -162,25 +182,48 @@ def write_partition(
         )
 
 
-def _retire_other_attempts(opened: Opened, gtrid: str, partition: int) -> None:
-    """Roll back what other attempts of this partition left prepared, before writing.
+def _retire_other_attempts(
+    opened: Opened, gtrid: str, partition: int, run: str | None, task_attempt_id: int
+) -> None:
+    """Roll back what older attempts of this partition left prepared, before writing; refuse to
+    write if a newer attempt of the same run has prepared already.
 
-    Such a branch is a failed attempt's (Spark retried the task) or a dead run's (the driver
-    crashed before its decision and the restarted query replays the batch from attempt 0). It
-    cannot be a winner any more, but it still holds its locks (Redis keys, PostgreSQL rows under a
-    unique key), and this attempt, writing the same keys, would wait on them until recovery's
-    grace period ends. The one branch it could wrongly retire is a live one: a speculative copy,
-    or a zombie task of an older stage attempt. Then that copy fails, or, if Spark picks it
-    anyway, the driver refuses to commit (`driver_commit` checks every winner is still prepared)
-    and the job fails. Nothing is ever written twice."""
+    An older attempt's branch is a failed attempt's (Spark retried the task) or a dead run's (the
+    driver crashed before its decision and the restarted query replays the batch from attempt
+    0). It cannot be a winner any more, but it still holds its locks (Redis keys, PostgreSQL rows
+    under a unique key), and this attempt, writing the same keys, would wait on them until
+    recovery's grace period ends.
 
-    def other_attempt(xid: Xid) -> bool:
+    "Older" is decided by the run (the branch's nonce, `new_run`) and, within one run, by Spark's
+    task attempt id, which grows with scheduling order within one SparkContext. A branch of
+    another run (or of a write that named no run) is always older: runs of one gtrid follow one
+    another. A branch of this run with a higher task attempt id is *newer*: this attempt is a
+    zombie (Spark already failed it, its Python worker started late) and retiring the retry's
+    branches would make the driver refuse the whole write, so it stops instead
+    (`StaleAttemptError`, a task Spark has already written off). The one live branch this can
+    still retire is an older speculative copy that has prepared; if Spark picks that copy anyway,
+    the driver refuses to commit (`driver_commit` checks every winner is still prepared) and the
+    job fails. Nothing is ever written twice."""
+    newer: list[str] = []
+
+    def older_attempt(xid: Xid) -> bool:
         info = parse_branch(xid.bqual) if xid.gtrid == gtrid else None
-        return info is not None and info.partition == partition
+        if info is None or info.partition != partition:
+            return False
+        if run is not None and info.nonce == run and info.task_attempt_id > task_attempt_id:
+            newer.append(xid.to_gid())
+            return False
+        return True
 
-    retired, _ = rollback_prepared(opened.resources.values(), other_attempt)
+    retired, _ = rollback_prepared(opened.resources.values(), older_attempt)
     for gid in retired:
-        log.info("retired %s, another attempt of partition %d", gid, partition)
+        log.info("retired %s, an older attempt of partition %d", gid, partition)
+    if newer:
+        raise StaleAttemptError(
+            f"{gtrid}: task attempt {task_attempt_id} of partition {partition} started after a "
+            f"newer attempt of the same write had prepared ({', '.join(sorted(newer))}); this "
+            "attempt writes nothing (Spark has already replaced it)"
+        )
 
 
 def _rollback(opened: Opened, xids: Mapping[str, Xid], started: list[str]) -> None:

@@ -31,9 +31,11 @@ from resource_managers.message_log import MessageLog
 from resource_managers.postgres import SqlDecisionLog
 from spark_integration import (
     CommitMessage,
+    StaleAttemptError,
     abort,
     commit,
     make_gtrid,
+    new_run,
     parse_options,
     recovery_manager,
     write_partition,
@@ -157,6 +159,49 @@ def test_a_speculative_race_won_by_the_retired_attempt_fails_and_writes_nothing(
         commit(env.pg_only, first, gtrid=gtrid)
     abort(env.pg_only, first, gtrid=gtrid)
     assert env.rows() == [] and env.prepared() == []
+
+
+def test_a_zombie_attempt_starting_after_its_retry_prepared_writes_nothing(env: Env) -> None:
+    """Partition 1's first attempt failed in Spark's eyes before its Python worker even began
+    (a slow worker start under load): the retry (a higher task attempt id of the same run) has
+    prepared when the zombie starts writing. The zombie must not retire the retry's branches,
+    or the driver finds its winner gone and fails the whole write."""
+    gtrid = make_gtrid("orders")
+    run = new_run()
+    parts = split(ROWS)
+    messages = [
+        write_partition(env.options, part, partition=p, attempt=int(p == 1),
+                        task_attempt_id=10 + p, gtrid=gtrid, run=run)
+        for p, part in enumerate(parts)
+    ]  # fmt: skip
+    with pytest.raises(StaleAttemptError, match="newer attempt"):
+        write_partition(
+            env.options, parts[1], partition=1, attempt=0, task_attempt_id=1, gtrid=gtrid, run=run
+        )
+    assert set(messages[1].branches) <= set(env.prepared())  # the retry's branches stand
+    report = commit(env.options, messages, gtrid=gtrid)
+    assert report.outcome == "committed" and not report.pending
+    env.expect_exactly_once()
+
+
+def test_a_replayed_run_retires_every_attempt_of_the_dead_run(env: Env) -> None:
+    """The driver died before its decision; the restarted job (a new run, task attempt ids from
+    0 again) replays the write. The dead run's branches, a retry with a higher task attempt id
+    included, are older whatever their ids say: the new attempts retire them and commit."""
+    gtrid = make_gtrid("orders", txn_version="v1")
+    parts = split(ROWS)
+    dead_run = new_run()
+    dead = write_partition(env.pg_only, parts[1], partition=1, attempt=1, task_attempt_id=57,
+                           gtrid=gtrid, run=dead_run)  # fmt: skip
+    run = next(r for r in iter(new_run, None) if r != dead_run)
+    messages = [
+        write_partition(env.pg_only, part, partition=p, attempt=0, task_attempt_id=p,
+                        gtrid=gtrid, run=run)
+        for p, part in enumerate(parts)
+    ]  # fmt: skip
+    assert not set(dead.branches) & set(env.prepared())  # retired by the new run's partition 1
+    commit(env.pg_only, messages, gtrid=gtrid)
+    env.expect_exactly_once(redis_too=False)
 
 
 def test_commit_twice_is_idempotent(env: Env) -> None:

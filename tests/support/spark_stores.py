@@ -39,8 +39,8 @@ class SparkStores:
         return {k: self.redis.get(k).decode() for k in keys}
 
     def prepared(self) -> list[str]:
-        redis_prepared = self.redis.zrange("twopc:{twopc}:prepared", 0, -1)
-        return prepared_gids(self.data) + prepared_gids(self.log) + list(map(str, redis_prepared))
+        redis_prepared = [m.decode() for m in self.redis.zrange("twopc:{twopc}:prepared", 0, -1)]
+        return prepared_gids(self.data) + prepared_gids(self.log) + redis_prepared
 
 
 S = TypeVar("S", bound=SparkStores)
