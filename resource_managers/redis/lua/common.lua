@@ -96,9 +96,32 @@ local function push(list, src, from, to)
   end
 end
 
+-- take the locks KEYS[first + 1 .. first + n] for gid: one MSET per chunk, not a SET per key
+-- (the caller has checked that no other branch holds one)
+local function lock_all(first, n, gid)
+  for i = first + 1, first + n, CHUNK do
+    local pairs_, count = {}, 0
+    for j = i, math.min(i + CHUNK - 1, first + n) do
+      pairs_[count + 1], pairs_[count + 2], count = KEYS[j], gid, count + 2
+    end
+    redis.call('MSET', unpack(pairs_, 1, count))
+  end
+end
+
+-- release the locks among KEYS[first + 1 .. first + n] that gid holds: one MGET and one DEL per
+-- chunk, not a GET and a DEL per key
 local function release(first, n, gid)
-  for i = first + 1, first + n do
-    if redis.call('GET', KEYS[i]) == gid then redis.call('DEL', KEYS[i]) end
+  for i = first + 1, first + n, CHUNK do
+    local last = math.min(i + CHUNK - 1, first + n)
+    local owners = redis.call('MGET', unpack(KEYS, i, last))
+    local mine, count = {}, 0
+    for j = i, last do
+      if owners[j - i + 1] == gid then
+        count = count + 1
+        mine[count] = KEYS[j]
+      end
+    end
+    if count > 0 then redis.call('DEL', unpack(mine, 1, count)) end
   end
 end
 
@@ -406,17 +429,37 @@ local function validate(ops)
   return nil
 end
 
-local function apply(ops)
-  for _, op in ipairs(ops) do
-    local last = op.a + op.n - 1
-    if not CHUNKED[op.cmd] or op.n <= CHUNK then
-      redis.call(op.cmd, op.key, unpack(op.src, op.a, last))
-    else
-      for i = op.a, last, CHUNK do
-        redis.call(op.cmd, op.key, unpack(op.src, i, math.min(i + CHUNK - 1, last)))
-      end
+local function apply_one(op)
+  local last = op.a + op.n - 1
+  if not CHUNKED[op.cmd] or op.n <= CHUNK then
+    redis.call(op.cmd, op.key, unpack(op.src, op.a, last))
+  else
+    for i = op.a, last, CHUNK do
+      redis.call(op.cmd, op.key, unpack(op.src, i, math.min(i + CHUNK - 1, last)))
     end
   end
+end
+
+-- Runs of SETs without options go as one MSET per CHUNK pairs: the same writes in the same
+-- order (a later value of a key wins, as it would one SET at a time; MSET, like such a SET,
+-- drops a TTL). A Spark partition is mostly that, and a redis.call per key, each its own
+-- command in the AOF, was most of a large commit.
+local function apply(ops)
+  local run, count = {}, 0
+  for _, op in ipairs(ops) do
+    if op.cmd == 'SET' and op.n == 1 then
+      run[count + 1], run[count + 2], count = op.key, op.src[op.a], count + 2
+      if count >= 2 * CHUNK then
+        redis.call('MSET', unpack(run, 1, count))
+        count = 0
+      end
+    else
+      if count > 0 then redis.call('MSET', unpack(run, 1, count)) end
+      count = 0
+      apply_one(op)
+    end
+  end
+  if count > 0 then redis.call('MSET', unpack(run, 1, count)) end
 end
 
 -- watched keys: ARGV[p], ARGV[p + 1] = index into the data keys, fingerprint; nil or the key

@@ -22,7 +22,7 @@ if not ops then return {'BAD', err} end
 local index, key, message = validate(ops)
 if index then return {'INVALID', key, message} end
 -- every check passed: from here on, only writes that cannot fail
-for i = 1, n do redis.call('SET', KEYS[3 + i], gid) end
+lock_all(3, n, gid)
 redis.call('DEL', KEYS[2])
 local head = {MAGIC, tostring(n)}
 for i = 1, n do head[2 + i] = KEYS[3 + n + i] end
