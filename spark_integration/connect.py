@@ -2,8 +2,10 @@
 
 Kept apart from parsing because the two run at different times and places: options are parsed
 (and rejected) anywhere, cheaply; connections are opened where the work happens (an executor's
-Python worker, the driver's commit process) and closed when the call ends, since nothing
-survives between Spark's calls to us but the options and the commit messages.
+Python worker, the driver's commit process). Nothing of a call's state survives it but the options
+and the commit messages; the connection pools do (`.pools`): Spark reuses a Python worker for task
+after task, and opening two PostgreSQL connections per task was a third of a small partition's
+fixed cost.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -26,7 +27,8 @@ from resource_managers.postgres import PostgresResource
 from resource_managers.postgres.sql_log import SqlDecisionLog
 from resource_managers.redis import RedisResource
 
-from .ledger import Ledger
+from .ledger import Committed, Ledger, TablesMissing, committed, committed_at_once
+from .pools import POOLS
 from .targets import MessageLogTarget, PostgresTarget, RedisTarget, Target, WriteConfig
 
 _log = logging.getLogger("twopc.spark")
@@ -49,6 +51,15 @@ class Opened:
 
     def target(self, name: str) -> Target:
         return next(t for t in self.config.targets if t.name == name)
+
+    def committed(self, gtrid: str) -> Committed | None:
+        """Is ``gtrid`` committed? An executor's question (twice per task): one statement
+        (`ledger.committed_at_once`), or, before a driver made the tables, `ledger.committed`."""
+        log = self.config.log
+        try:
+            return committed_at_once(self.log_engine, log.table_prefix, log.node, gtrid)
+        except TablesMissing:
+            return committed(self.read_log(), self.ledger, gtrid)
 
     def read_log(self) -> SqlDecisionLog | None:
         """The decision log, read-only (no lease): what an executor may look at. None while its
@@ -80,10 +91,6 @@ class Opened:
         return log
 
 
-def _engine(url: str) -> Engine:
-    return sa.create_engine(url, pool_size=2, max_overflow=4, pool_pre_ping=True)
-
-
 def secret_of(target: MessageLogTarget) -> SharedSecret:
     if target.secret_file:
         return SharedSecret.from_file(target.secret_file)
@@ -98,18 +105,14 @@ def secret_of(target: MessageLogTarget) -> SharedSecret:
 
 def _open(target: Target, stack: ExitStack) -> Resource[Any]:
     if isinstance(target, PostgresTarget):
-        engine = _engine(target.url)
-        stack.callback(engine.dispose)
         # hold_prepared=0: phase two of a target branch never runs where it was prepared (an
-        # executor prepares, the driver commits on a connection of its own), and a held
-        # connection outlives ``engine.dispose`` (it is checked out) until the garbage collector
-        # finds it: 64 partitions ran PostgreSQL out of connections (bench/spark_sink.py)
-        return PostgresResource(engine, target.name, hold_prepared=0)
+        # executor prepares, the driver commits on a connection of its own), so the connection
+        # goes back to the pool at once; a held one stays checked out until the garbage
+        # collector finds the branch (64 partitions ran PostgreSQL out of connections)
+        return PostgresResource(POOLS.engine(target.url), target.name, hold_prepared=0)
     if isinstance(target, RedisTarget):
-        client: Any = redis.Redis.from_url(target.url)
-        stack.callback(client.close)
         return RedisResource(
-            client,
+            POOLS.redis(target.url),
             target.name,
             namespace=target.namespace,
             durability=target.durability,
@@ -125,8 +128,7 @@ def open_targets(config: WriteConfig) -> Iterator[Opened]:
     """Every resource of ``config`` plus the log database; all closed on exit."""
     with ExitStack() as stack:
         resources = {t.name: _open(t, stack) for t in config.targets}
-        log_engine = _engine(config.log.url)
-        stack.callback(log_engine.dispose)
+        log_engine = POOLS.engine(config.log.url)
         ledger = Ledger(log_engine, config.log.table_prefix)
         ledger_resource = PostgresResource(log_engine, config.log.ledger_name)
         opened = Opened(config, resources, log_engine, ledger, ledger_resource)

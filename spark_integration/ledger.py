@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from coordinator.decision_log import DecisionLog
+from resource_managers.postgres._log_sql import tables
 
 
 @dataclass(frozen=True)
@@ -33,23 +36,47 @@ class Committed:
     pending: bool
 
 
+@lru_cache(maxsize=16)
+def _ledger_table(table_prefix: str) -> sa.Table:
+    """One Table object per prefix for the process, so SQLAlchemy's compiled cache serves every
+    task's statements (a Table made per call missed it: a compile per statement per task)."""
+    return sa.Table(
+        f"{table_prefix}spark_ledger",
+        sa.MetaData(),
+        sa.Column("gtrid", sa.Text, nullable=False, index=True),
+        sa.Column("branches", sa.Text, nullable=False),  # JSON list of bquals
+        sa.Column(
+            "committed_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )
+
+
+@lru_cache(maxsize=16)
+def _check(table_prefix: str) -> sa.CompoundSelect[Any]:
+    """`committed_at_once`'s statement for a table prefix (built once per process)."""
+    decision = tables(table_prefix, None)[2]
+    ledger = _ledger_table(table_prefix)
+    gtrid: sa.BindParameter[str] = sa.bindparam("gtrid", type_=sa.Text())
+    node: sa.BindParameter[str] = sa.bindparam("node", type_=sa.Text())
+    from_decision = sa.select(sa.literal(1).label("pending"), decision.c.branches).where(
+        decision.c.node_id == node, decision.c.gtrid == gtrid
+    )
+    from_ledger = sa.select(sa.literal(0).label("pending"), ledger.c.branches).where(
+        ledger.c.gtrid == gtrid
+    )
+    return sa.union_all(from_decision, from_ledger)
+
+
 class Ledger:
     """The ``<prefix>spark_ledger`` table of the log database."""
 
     def __init__(self, engine: Engine, table_prefix: str = "twopc_") -> None:
         self.engine = engine
-        self.table = sa.Table(
-            f"{table_prefix}spark_ledger",
-            sa.MetaData(),
-            sa.Column("gtrid", sa.Text, nullable=False, index=True),
-            sa.Column("branches", sa.Text, nullable=False),  # JSON list of bquals
-            sa.Column(
-                "committed_at",
-                sa.DateTime(timezone=True),
-                nullable=False,
-                server_default=sa.func.now(),
-            ),
-        )
+        self.table_prefix = table_prefix
+        self.table = _ledger_table(table_prefix)
 
     def ensure(self) -> None:
         """Create the table if missing (the driver does, before its first ledger branch)."""
@@ -90,3 +117,27 @@ def committed(log: DecisionLog | None, ledger: Ledger, gtrid: str) -> Committed 
             return Committed(gtrid, decision.branches, pending=True)
     branches = ledger.lookup(gtrid)
     return None if branches is None else Committed(gtrid, branches, pending=False)
+
+
+class TablesMissing(Exception):
+    """`committed_at_once` found no decision or ledger table (no driver has made them yet)."""
+
+
+def committed_at_once(engine: Engine, table_prefix: str, node: str, gtrid: str) -> Committed | None:
+    """`committed` in one statement, the executors' check: a pending decision of ``node`` for
+    ``gtrid``, else its ledger row, read in one round trip and from one snapshot (READ COMMITTED
+    gives a statement one snapshot). One snapshot is at least as safe as the two ordered reads of
+    `committed`: the ledger row commits before END deletes the decision, so a snapshot that no
+    longer holds the decision holds the ledger row. Raises `TablesMissing` while either table
+    does not exist; the caller then asks `committed`, which knows how to read that case."""
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(_check(table_prefix), {"gtrid": gtrid, "node": node}).all()
+    except sa.exc.ProgrammingError as exc:
+        if getattr(exc.orig, "pgcode", None) == "42P01":  # undefined_table
+            raise TablesMissing(str(exc.orig)) from None
+        raise
+    if not rows:
+        return None
+    pending, branches = max(rows, key=lambda r: r[0])  # a pending decision wins
+    return Committed(gtrid, tuple(json.loads(branches)), pending=bool(pending))

@@ -39,7 +39,6 @@ from coordinator import ConfigurationError, TransactionRolledBack, Vote, Xid
 
 from .connect import Opened, open_targets, rollback_prepared, rollback_quietly
 from .ids import branch_xid, make_gtrid, parse_branch
-from .ledger import committed
 from .targets import (
     MessageLogTarget,
     PostgresTarget,
@@ -128,8 +127,7 @@ def write_partition(
     gtrid, config = resolve_gtrid(options, batch_id, gtrid)
     base = CommitMessage(gtrid, partition, attempt, task_attempt_id)
     with open_targets(config) as opened:
-        reader = opened.read_log()
-        if committed(reader, opened.ledger, gtrid) is not None:
+        if opened.committed(gtrid) is not None:
             for _ in rows:  # drain: Spark expects the iterator consumed
                 pass
             log.info("%s already committed: partition %d writes nothing", gtrid, partition)
@@ -160,7 +158,7 @@ def write_partition(
             for name, resource in sorted(opened.resources.items(), key=lambda kv: kv[1].sort_key):
                 if resource.prepare(xids[name]) == Vote.COMMIT:
                     prepared.append(xids[name].to_gid())
-            decided = committed(reader, opened.ledger, gtrid)
+            decided = opened.committed(gtrid)
             if decided is not None:
                 mine = {Xid.from_gid(gid).bqual for gid in prepared}
                 if not mine <= set(decided.branches):

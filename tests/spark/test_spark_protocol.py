@@ -242,16 +242,16 @@ def test_attempt_fenced_by_a_decision_made_while_it_wrote(
 ) -> None:
     messages = write_all(env.options, batch_id=6)
     commit(env.options, messages, batch_id=6)
-    from spark_integration import ledger, partition_writer
+    from spark_integration.connect import Opened
 
-    real = ledger.committed
+    real = Opened.committed
     calls: list[int] = []
 
-    def blind_once(*args: Any) -> Any:  # the first look happened before the driver decided
+    def blind_once(self: Opened, gtrid: str) -> Any:  # the first look came before the decision
         calls.append(1)
-        return None if len(calls) == 1 else real(*args)
+        return None if len(calls) == 1 else real(self, gtrid)
 
-    monkeypatch.setattr(partition_writer, "committed", blind_once)
+    monkeypatch.setattr(Opened, "committed", blind_once)
     zombie = write_partition(
         env.options,
         [{"id": 77, "name": "zombie"}],
