@@ -3,31 +3,59 @@ manager of its own (role ``producer``).
 
 A producer branch stages its messages here, validated as `ProducerBranch.send` validates them
 (the destination's room is the server's to check, at prepare), and ships them with the prepare:
-one round trip per transaction, and an abandoned transaction costs the server nothing. Expiry
-times (``ttl``) are computed on this machine's clock. What a broken connection means to each verb
-is explained in `_resource`.
+one round trip per transaction, and an abandoned transaction costs the server nothing. A branch
+whose messages would not fit one frame (a Spark partition of a quarter million rows made a 33 MB
+prepare against the 16 MiB limit, and failed) ships them in shares of about `SHARE_BYTES`, each
+an ``XA_START op=stage`` on the connection that then carries the prepare with the last share;
+if that connection breaks first, the server rolls the staged shares back and the prepare votes
+no. Expiry times (``ttl``) are computed on this machine's clock. What a broken connection means
+to each verb is explained in `_resource`.
 """
 
 from __future__ import annotations
 
 import ssl
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+from coordinator.crashpoints import crash_point
 from coordinator.errors import OutcomeUnknownError, ProgrammingError
 from coordinator.resource import Outcome, Vote
 from coordinator.xid import Xid
 from messaging.auth import SharedSecret, TlsConfig
 from messaging.connection import Address
 from messaging.frames import FrameType, Value
-from resource_managers.message_log import DEFAULT_MAX_MESSAGE_BYTES, BranchDoomed, StagingBranch
+from resource_managers.message_log import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BranchDoomed,
+    StagingBranch,
+    split_by_size,
+)
 
-from ._replies import _outcome, _vote
-from ._resource import _Lost, _RemoteResource
+from ._replies import Result, _outcome, _staged, _vote
+from ._resource import _Lost, _RemoteResource, _Unsent
 from .protocol import PRODUCER_ROLE, RemoteUnavailable, message_to_value
+
+T = TypeVar("T")
+
+#: a branch's messages go in shares of about this many encoded bytes (estimated by
+#: `_encoded_size`, which errs high): a quarter of the default frame limit
+SHARE_BYTES = 4 * 1024 * 1024
 
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _encoded_size(value: dict[str, Value]) -> int:
+    """A message's bytes in a frame, estimated high: its strings plus a fixed allowance for the
+    field names and lengths (about 100 bytes measured for a small message)."""
+    headers = value["headers"]
+    size = 160 + len(value["body"]) + len(value["destination"]) + len(value["id"])  # type: ignore[arg-type]
+    if isinstance(headers, dict):
+        size += sum(len(k) + len(str(v)) + 16 for k, v in headers.items())
+    return size
 
 
 class RemoteProducerBranch(StagingBranch):
@@ -91,16 +119,48 @@ class RemoteMessageLog(_RemoteResource[RemoteProducerBranch]):
             raise BranchDoomed(f"{self._name}: {xid}: {branch.doomed}")
         if not branch.messages:
             return Vote.READ_ONLY
-        args: dict[str, Value] = {"messages": [message_to_value(m) for m in branch.messages]}
+        args: dict[str, Value] = {}
         after = self._with_predecessors(args)
+        values = [message_to_value(m) for m in branch.messages]
         try:
-            vote = self._call(FrameType.XA_PREPARE, xid, args, _vote, idempotent=False)
+            vote = self._ship(FrameType.XA_PREPARE, xid, args, values, _vote)
         except _Lost as exc:  # the server may have prepared: voting no makes it roll back
             raise RemoteUnavailable(
                 f"{self._name}: no answer to the prepare of {xid} ({exc}); it rolls back"
             ) from exc
         self._confirmed(after)
         return vote
+
+    def _ship(
+        self,
+        verb: FrameType,
+        xid: Xid,
+        args: dict[str, Value],
+        values: list[dict[str, Value]],
+        decode: Callable[[Result], T],
+    ) -> T:
+        """``verb`` (a prepare or one-phase commit) with the branch's messages: in one request,
+        or, past `SHARE_BYTES`, staged in shares first on the connection that then carries the
+        verb with the last share (see the module docstring). `_Lost` when the verb's answer is
+        not known; the server's error (it rolled the branch back) when it refused a share."""
+        shares: list[list[Value]] = split_by_size(values, _encoded_size, SHARE_BYTES)  # type: ignore[arg-type]
+        if len(shares) == 1:
+            return self._call(verb, xid, {**args, "messages": shares[0]}, decode, idempotent=False)
+        conn = self._pool.acquire()
+        try:
+            for share in shares[:-1]:
+                self._exchange(conn, FrameType.XA_START, xid, {"op": "stage", "messages": share},
+                               _staged)  # fmt: skip
+                crash_point("remote.mlog.after_share")
+            result = self._exchange(conn, verb, xid, {**args, "messages": shares[-1]}, decode)
+        except (_Unsent, _Lost) as exc:  # the connection is closed: the server drops the shares
+            conn.close()
+            raise _Lost(f"{verb.name} of a branch in {len(shares)} shares: {exc}") from exc
+        except BaseException:
+            self._pool.release(conn)  # an answer (a refusal): the connection is in step
+            raise
+        self._pool.release(conn)
+        return result
 
     def _with_predecessors(self, args: dict[str, Value]) -> list[str]:
         """Name, in ``args["after"]``, the branches whose commit this client issued and has not
@@ -124,13 +184,11 @@ class RemoteMessageLog(_RemoteResource[RemoteProducerBranch]):
             raise BranchDoomed(f"{self._name}: {xid}: {branch.doomed}")
         if not branch.messages:
             return None
-        args: dict[str, Value] = {
-            "one_phase": True,
-            "messages": [message_to_value(m) for m in branch.messages],
-        }
+        args: dict[str, Value] = {"one_phase": True}
         after = self._with_predecessors(args)
+        values = [message_to_value(m) for m in branch.messages]
         try:
-            outcome = self._call(FrameType.XA_COMMIT, xid, args, _outcome, idempotent=False)
+            outcome = self._ship(FrameType.XA_COMMIT, xid, args, values, _outcome)
         except _Lost as exc:
             raise OutcomeUnknownError(
                 f"{self._name}: no answer to the one-phase commit of {xid} ({exc}); it may have "

@@ -44,6 +44,14 @@ def _vote(result: Result) -> Vote:
         raise _Bad(exc.message) from exc
 
 
+def _staged(result: Result) -> int:
+    """The answer to a producer's ``XA_START op=stage``: messages the server holds so far."""
+    count = result["staged"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise _Bad("staged must be a count")
+    return count
+
+
 def _gids(result: Result) -> list[str]:
     xids = result["xids"]
     if not isinstance(xids, list) or not all(isinstance(g, str) for g in xids):

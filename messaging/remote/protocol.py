@@ -76,6 +76,7 @@ _NONE: frozenset[str] = frozenset()
 #: the argument keys each verb takes besides ``rm``. Any other key is refused, as an unknown
 #: frame field is: ignoring one (a misspelt ``one_phase``) could change what a request does.
 PRODUCER_ARGS: dict[FrameType, frozenset[str]] = {
+    FrameType.XA_START: frozenset({"op", "messages"}),  # op "stage": a share of a large branch
     FrameType.XA_PREPARE: frozenset({"messages", "after"}),
     FrameType.XA_COMMIT: frozenset({"one_phase", "messages", "after"}),
     FrameType.XA_ROLLBACK: _NONE,

@@ -9,9 +9,13 @@ whatever the reason, and its messages become available to other consumers. A pre
 not the connection's any more: it waits for its coordinator (commit, or rollback by recovery),
 like a prepared branch of any resource.
 
-Why a producer needs no ``XA_START``: its branch is only staged messages, so the client keeps
-them and ships them with ``XA_PREPARE`` (or a one-phase ``XA_COMMIT``); the branch starts and
-ends inside that one request, and an abandoned transaction costs the server nothing.
+Why a producer needs no ``XA_START`` as a rule: its branch is only staged messages, so the client
+keeps them and ships them with ``XA_PREPARE`` (or a one-phase ``XA_COMMIT``); the branch starts
+and ends inside that one request, and an abandoned transaction costs the server nothing. A
+branch too large for one frame (a Spark partition's messages) goes in pieces: ``XA_START`` with
+``op: "stage"`` and a share of the messages, as often as needed, then the prepare (or one-phase
+commit) with the rest, all on one connection. The staged share is the connection's until then,
+and is rolled back if the connection ends first.
 
 One request at a time per connection, answered with its ``request_id``. A request of the wrong
 shape (an argument key its verb does not take included: `protocol.PRODUCER_ARGS`,
@@ -31,6 +35,7 @@ Verbs (``rm`` is the resource name and must equal the xid's bqual):
 ======== =========================================== =========================================
 producer args                                        result
 ======== =========================================== =========================================
+START    ``rm, op: "stage", messages: [message]``    ``staged: n`` (messages held so far)
 PREPARE  ``rm, messages: [message]``                 ``vote: "commit" | "read_only"``
 COMMIT   ``rm, one_phase, messages`` (one-phase)     ``outcome: None | "heuristic-..."``
 ROLLBACK ``rm``                                      ``outcome``
@@ -313,6 +318,7 @@ class ProducerService(_Service[MessageLogResource]):
         self,
     ) -> Mapping[FrameType, Callable[[MessageLogResource, Any, Mapping[str, Value], Open], Result]]:
         return {
+            FrameType.XA_START: self._stage_part,
             FrameType.XA_PREPARE: self._prepare,
             FrameType.XA_COMMIT: self._commit,
             FrameType.XA_ROLLBACK: self._rollback,
@@ -320,17 +326,31 @@ class ProducerService(_Service[MessageLogResource]):
             FrameType.XA_FORGET: self._forget,
         }
 
+    def _stage_part(
+        self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
+    ) -> Result:
+        """``XA_START op=stage``: a share of a large branch's messages, held for this connection
+        until its prepare or one-phase commit brings the rest."""
+        op = args.get("op")
+        if op != "stage":
+            raise BadRequestError(f"unknown producer XA_START op {op!r} (expected 'stage')")
+        branch = self._staged(r, xid, args, opened)
+        return {"staged": sum(branch.staged.values())}
+
     def _staged(
         self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
     ) -> ProducerBranch:
-        """Start the branch and stage the request's messages, checked as `ProducerBranch.send`
-        checks them (the size limit, the destination, its room); roll back on any refusal."""
+        """Start the branch (or take the one this connection staged a share of) and stage the
+        request's messages, checked as `ProducerBranch.send` checks them (the size limit, the
+        destination, its room); roll the whole branch back on any refusal."""
         messages = [message_from_value(v) for v in arg_list(args, "messages")]
-        gid = xid.to_gid()
-        if self.mlog.is_prepared(gid) or self.mlog.is_committed(gid):
-            raise IllegalStateError(f"{r.name}: {gid} is already prepared or committed")
-        branch = r.start(xid)
-        opened[xid] = branch
+        branch = opened.get(xid)
+        if branch is None:
+            gid = xid.to_gid()
+            if self.mlog.is_prepared(gid) or self.mlog.is_committed(gid):
+                raise IllegalStateError(f"{r.name}: {gid} is already prepared or committed")
+            branch = r.start(xid)
+            opened[xid] = branch
         try:
             for message in messages:
                 self._stage(branch, message)

@@ -34,6 +34,7 @@ from ._records import (
     TRANSACTIONAL_HEADER,
     VOLATILE_SUFFIX,
     Message,
+    split_by_size,
 )
 from ._validation import (
     InvalidMessageError,
@@ -78,6 +79,7 @@ __all__ = [
     "outgoing",
     "parse_stream",
     "partition_of",
+    "split_by_size",
     "stream_for",
     "validate_destination",
 ]

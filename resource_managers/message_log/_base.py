@@ -101,23 +101,29 @@ class LogBase:
     # -- the journal ---------------------------------------------------------------------------
 
     def _append(self, records: Iterable[dict[str, Any]], force: bool) -> None:
-        """Write, then apply, inside the gate (so a rollover never sees one without the other)."""
-        for record in records:
-            payload = encode(record)
-            self._gate.enter_shared()
+        """Write, then apply, inside the gate (so a rollover never sees one without the other).
+        Several records (a large prepare's parts) go as one group: every one passes the size
+        check before any is written, and ``force`` makes the last durable, and so all of them."""
+        records = list(records)
+        payloads = [encode(record) for record in records]
+        self._gate.enter_shared()
+        try:
             try:
-                try:
-                    self._journal.append(payload, force)
-                except LogWriteError as exc:
-                    raise LogWriteError(
-                        f"message log {self.directory}: {exc.message}", durable=exc.durable
-                    ) from exc
-                with self._lock:
+                if len(payloads) == 1:
+                    self._journal.append(payloads[0], force)
+                else:
+                    self._journal.append_many(payloads, force)
+            except LogWriteError as exc:
+                raise LogWriteError(
+                    f"message log {self.directory}: {exc.message}", durable=exc.durable
+                ) from exc
+            with self._lock:
+                for record in records:
                     if record["k"] in ("C", "R"):
                         self._hold_locked(self._state.prepared.get(record["g"], []), -1)
                     self._state.apply(record)
-            finally:
-                self._gate.exit_shared()
+        finally:
+            self._gate.exit_shared()
         self._compaction.maybe()
         if force:
             self._lazy.settle()  # the lazy commit records this force carried

@@ -13,7 +13,7 @@ from coordinator.errors import LogWriteError
 
 from ._base import BranchRolledBack, DestinationFullError, LogBase
 from ._partition import PARTITION_MARK, parse_stream, stream_for
-from ._records import VOLATILE_SUFFIX, Message, encode, message_obj
+from ._records import VOLATILE_SUFFIX, Message, encode, message_obj, prepare_records
 from ._validation import check_message
 
 
@@ -77,7 +77,7 @@ class BranchOps(LogBase):
         durable = [m for m in messages if m.persistent]
         volatile = [m for m in messages if not m.persistent]
         if durable:
-            self._append([{"k": "P", "g": gid, "m": [message_obj(m) for m in durable]}], True)
+            self._append(prepare_records(gid, [message_obj(m) for m in durable]), True)
         with self._lock:
             if gid in self._state.tombstones:
                 raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")

@@ -138,7 +138,9 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
         """The forced ``O`` record: this open's incarnation, and the log's identity, chosen
         here once (a uuid4) when the journal has none — a new directory, or one written before
         identities. Nothing is sent before it is durable, so a crash before then leaves no
-        trace of the identity, and the next open chooses again."""
+        trace of the identity, and the next open chooses again. Parts of a prepare whose last
+        part never reached the journal (a crash in between) prepared nothing: they go."""
+        self._state.parts.clear()
         # the clock's milliseconds, with 20 random bits below them: two opens of one journal
         # (a copied directory started beside the original) in the same millisecond must still
         # differ, or neither would be fenced (`identity_fencing`); above every earlier open's

@@ -10,7 +10,11 @@ Kinds (``k``):
 - ``O`` open: ``n`` the incarnation number chosen at this open (forced; see ``_state``); ``i``
   the log's durable identity (optional: journals written before identities have none, and the
   first open that finds none chooses one and writes it here, in the same forced record).
-- ``P`` prepare: ``g`` gid, ``m`` the persistent messages (forced).
+- ``P`` prepare: ``g`` gid, ``m`` the persistent messages (forced). A branch too large for one
+  record (`prepare_records`: past `PART_BYTES` of messages, estimated) is written as several
+  ``P`` records of the same gid, each but the last with ``more`` (1), all forced by the last one's
+  write: replay gathers them and the branch is prepared at the last; parts without their last
+  (a crash in between) prepare nothing.
 - ``C`` commit: ``g`` gid, ``s`` one ``[stream, seq]`` per message of its ``P``, in order (forced).
 - ``1`` one-phase commit: ``g``, ``m`` and ``s`` together, in one forced write; with ``r`` (1)
   a carried branch's commit (`._carried`: lazy, and the gid is remembered until ``W``); its
@@ -31,8 +35,9 @@ import base64
 import binascii
 import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.errors import LogCorruptionError
 
@@ -150,6 +155,50 @@ if _c_make_encoder is not None:  # arguments as JSONEncoder.iterencode passes th
     _C_ENCODE = _c_make_encoder(None, _JSON.default, _ascii, None, ":", ",", False, False, True)
 
 
+T = TypeVar("T")
+
+#: a prepare record's messages, estimated in encoded bytes, above which it is split into parts:
+#: a quarter of the journal's record limit (16 MiB), so a part never reaches it
+PART_BYTES = 4 * 1024 * 1024
+
+
+def _estimated(obj: dict[str, Any]) -> int:
+    """A message object's bytes in a record, estimated high (base64 body, headers, keys)."""
+    headers = obj["h"]
+    return (
+        128
+        + len(obj["b"])
+        + len(obj["i"])
+        + len(obj["d"])
+        + sum(len(k) + len(str(v)) + 8 for k, v in headers.items())
+    )
+
+
+def split_by_size(items: Iterable[T], size_of: Callable[[T], int], budget: int) -> list[list[T]]:
+    """``items`` cut, in order, into runs of at most ``budget`` by ``size_of`` (an item larger
+    than that alone); at least one run, empty if ``items`` is. The cut of a large prepare into
+    records here, and of a remote producer's messages into frames (`messaging.remote`)."""
+    runs: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        n = size_of(item)
+        if runs[-1] and size + n > budget:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += n
+    return runs
+
+
+def prepare_records(gid: str, objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``P`` record(s) of a branch's persistent messages, in order: one, or parts of at most
+    `PART_BYTES` (estimated), each but the last marked ``more``."""
+    parts = split_by_size(objs, _estimated, PART_BYTES)
+    records: list[dict[str, Any]] = [{"k": "P", "g": gid, "m": part, "more": 1} for part in parts]
+    del records[-1]["more"]
+    return records
+
+
 def encode(obj: dict[str, Any]) -> bytes:
     """A record as compact ASCII JSON: ``json.dumps(obj, separators=(",", ":"))``'s bytes."""
     if _C_ENCODE is None:
@@ -168,6 +217,8 @@ def decode(payload: bytes) -> dict[str, Any]:
             _CHECKS[key](obj[key])
         if kind == "O" and "i" in obj:
             _identity(obj["i"])
+        if "more" in obj and (kind != "P" or obj["more"] != 1):
+            raise TypeError("only a part of a prepare has more (1)")
         if ("r" in obj or "f" in obj) and (kind != "1" or obj.get("r") != 1):
             raise TypeError("only a carried one-phase commit has r (1) and f")
         if "f" in obj:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._records import VOLATILE_SUFFIX, Message, message_obj, to_message
+from ._records import VOLATILE_SUFFIX, Message, message_obj, prepare_records, to_message
 
 
 @dataclass
@@ -60,6 +60,8 @@ class LogState:
         #: the log's durable identity (``O``'s ``i``); None in a journal written before identities
         self.identity: str | None = None
         self.prepared: dict[str, list[Message]] = {}
+        #: a large prepare's parts read so far (``P`` with ``more``), until its last part
+        self.parts: dict[str, list[Message]] = {}
         self.streams: dict[str, Stream] = {}
         self.tombstones: dict[str, int] = {}  # gid -> wall-clock ms of the rollback
         self.committed: set[str] = set()  # gids whose commit record is in the journal
@@ -79,12 +81,18 @@ class LogState:
             if self.identity is None:  # chosen once: every later ``O`` repeats it
                 self.identity = r.get("i")
         elif kind == "P":
-            if r["g"] not in self.committed and r["g"] not in self.tombstones:
-                self.prepared[r["g"]] = [to_message(m) for m in r["m"]]
+            gid = r["g"]
+            if gid not in self.committed and gid not in self.tombstones:
+                messages = [to_message(m) for m in r["m"]]
+                if "more" in r:
+                    self.parts.setdefault(gid, []).extend(messages)
+                else:
+                    self.prepared[gid] = self.parts.pop(gid, []) + messages
         elif kind in ("C", "1"):
             self._commit(r)
         elif kind == "R":
             self.prepared.pop(r["g"], None)
+            self.parts.pop(r["g"], None)
             self.tombstones[r["g"]] = r["t"]
         elif kind == "F":
             self.tombstones.pop(r["g"], None)
@@ -151,7 +159,7 @@ class LogState:
                 {"k": "Q", "q": s.name, "n": n, "o": message_obj(m)} for n, m in s.messages.items()
             ]
         for gid, messages in self.prepared.items():
-            out.append({"k": "P", "g": gid, "m": [message_obj(m) for m in messages]})
+            out += prepare_records(gid, [message_obj(m) for m in messages])
         for gid, at in self.tombstones.items():
             if now_ms - at < tombstone_ms:
                 out.append({"k": "R", "g": gid, "t": at})

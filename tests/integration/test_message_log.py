@@ -592,3 +592,56 @@ def test_a_carried_commit_record_reuses_the_payload_and_carries_forgets(logdir: 
     assert [to_message(m).body for r in ones for m in r["m"]] == [b"one", b"two"]
     with MessageLog(logdir) as log:  # replay: the forget rode the second commit
         assert MessageLogResource(log).carried_gids() == {second.to_gid()}
+
+
+def journal_records(logdir: Path) -> list[dict[str, Any]]:
+    payloads: list[bytes] = []
+    Journal(logdir, replay=payloads.append, kind="message-log").close()
+    return [decode(p) for p in payloads]
+
+
+def test_a_prepare_too_large_for_one_record_is_written_in_parts(
+    logdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the part size a branch's prepare is several ``P`` records (each but the last with
+    ``more``), written as one group: replay prepares the branch at its last part, in order, and
+    a rollover carries it split again; parts whose last never reached the journal (a crash in
+    between) prepare nothing."""
+    from resource_managers.message_log import _records
+
+    monkeypatch.setattr(_records, "PART_BYTES", 2_000)  # about four 300-byte messages a part
+    payloads = [b"%03d" % i + b"p" * 300 for i in range(40)]
+    with MessageLog(logdir, segment_bytes=8192) as log:
+        mr = MessageLogResource(log)
+        big = prepared(mr, "node-1:big-1", *payloads)
+    parts = [r for r in journal_records(logdir) if r["k"] == "P"]
+    assert (
+        len(parts) > 5 and all(r.get("more") == 1 for r in parts[:-1]) and "more" not in parts[-1]
+    )
+    with MessageLog(logdir, segment_bytes=8192) as log:
+        mr = MessageLogResource(log)
+        assert mr.recover() == [big]
+        for i in range(30):  # enough traffic for rollovers, which carry the prepared branch
+            mr.commit(prepared(mr, f"node-1:o-{i}", b"o" * 400))
+        assert log.stats().rollovers > 0
+    with MessageLog(logdir, segment_bytes=8192) as log:
+        mr = MessageLogResource(log)
+        assert mr.recover() == [big]
+        assert mr.commit(big) is None
+        assert [body for _, body in bodies(log, "orders")][-40:] == payloads
+    # a crash between parts: every part but the last is in the journal
+    torn = _records.prepare_records(
+        "node-1:torn-1",
+        [
+            _records.message_obj(m)
+            for m in (
+                _records.Message(f"id-{i}", "orders", body, {}) for i, body in enumerate(payloads)
+            )
+        ],
+    )
+    journal = Journal(logdir, replay=lambda _: None, kind="message-log")
+    journal.append_many([_records.encode(r) for r in torn[:-1]])
+    journal.close()
+    with MessageLog(logdir, segment_bytes=8192) as log:
+        assert MessageLogResource(log).recover() == []
+        assert log.prepared_gids() == []

@@ -53,8 +53,10 @@ from resource_managers.sequencing import Frame
 from tests.support.managers import make_manager
 from tests.support.no_voter import NoVoter
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
+from tests.support.scripts import run_script
 
-SECRET = SharedSecret(b"remote-resources-test-secret-0123")
+SECRET_TEXT = "remote-resources-test-secret-0123"
+SECRET = SharedSecret(SECRET_TEXT.encode())
 
 
 @pytest.fixture
@@ -220,6 +222,114 @@ def test_a_full_destination_is_refused_at_prepare_as_transient(
         assert bodies(log) == [] and log.prepared_gids() == []
         assert tm.run(lambda tx: tx.join(remote).send("orders", b"fits")) is not None
         assert bodies(log) == [b"fits"]
+
+
+def test_a_branch_too_large_for_one_frame_goes_in_shares(
+    engine: sa.Engine,
+    mlog: MessageLog,
+    remote_log: RemoteMessageLog,
+    managers: list[TransactionManager],
+) -> None:
+    """40,000 messages of 400 bytes: over 16 MiB in one prepare, which the frame limit refuses.
+    They go in shares on one connection, then prepare and commit in order with PostgreSQL; a
+    one-phase commit of a large branch likewise."""
+    db = PostgresResource(engine, "db")
+    tm = make_manager(managers, [db, remote_log])
+    payloads = [b"%06d" % i + b"x" * 394 for i in range(40_000)]
+    with tm.transaction() as tx:
+        move(tx.join(db), "t1", 1, 10)
+        branch: RemoteProducerBranch = tx.join(remote_log)
+        for body in payloads:
+            branch.send("orders", body)
+    remote_log.flush_commits()
+    assert bodies(mlog) == payloads
+    assert transfer_ids(engine) == {"t1"} and mlog.prepared_gids() == []
+    one_phase = make_manager(managers, [remote_log], node_id="node-2")
+    with one_phase.transaction() as tx:
+        branch = tx.join(remote_log)
+        for body in payloads[:20_000]:
+            branch.send("audit", body)
+    assert bodies(mlog, "audit") == payloads[:20_000]
+
+
+def test_a_connection_broken_between_shares_rolls_the_shares_back(
+    engine: sa.Engine,
+    mlog: MessageLog,
+    managers: list[TransactionManager],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server has a share staged when the connection ends: it rolls the share back, the
+    prepare votes no, and nothing of the branch is left anywhere; the next branch goes through."""
+    from messaging.remote import _remote_log
+
+    monkeypatch.setattr(_remote_log, "SHARE_BYTES", 4_000)  # a share is about ten messages
+    listener = serve(PRODUCER_ROLE, ProducerService(mlog))
+    remote = RemoteMessageLog(listener.address, SECRET, timeout=5.0)
+    shares: list[str] = []
+
+    def break_after_first(name: str) -> None:
+        if name == "remote.mlog.after_share" and not shares:
+            shares.append(name)
+            listener.close()  # every server-side connection ends, as when the client dies
+
+    monkeypatch.setattr(_remote_log, "crash_point", break_after_first)
+    db = PostgresResource(engine, "db")
+    tm = make_manager(managers, [db, remote])
+    with pytest.raises(TransactionRolledBack), tm.transaction() as tx:
+        move(tx.join(db), "t1", 1, 10)
+        branch = tx.join(remote)
+        for i in range(100):
+            branch.send("orders", b"%03d" % i + b"y" * 200)
+    assert shares and bodies(mlog) == [] and mlog.prepared_gids() == []
+    assert transfer_ids(engine) == set() and prepared_gids(engine) == []
+    remote.close()
+    with serve(PRODUCER_ROLE, ProducerService(mlog)) as again:
+        remote = RemoteMessageLog(again.address, SECRET, timeout=5.0)
+        tm2 = make_manager(managers, [remote], node_id="node-2")
+        with tm2.transaction() as tx:
+            branch = tx.join(remote)
+            for i in range(100):
+                branch.send("orders", b"%03d" % i)
+        remote.close()
+    assert bodies(mlog) == [b"%03d" % i for i in range(100)]
+
+
+CLIENT_KILLED_BETWEEN_SHARES = """
+import sys
+from coordinator import Xid
+from messaging.auth import SharedSecret
+from messaging.remote import RemoteMessageLog, _remote_log
+
+_remote_log.SHARE_BYTES = 4_000  # about ten messages a share
+host, port = sys.argv[1], int(sys.argv[2])
+remote = RemoteMessageLog((host, port), SharedSecret(sys.argv[3].encode()), timeout=5.0)
+xid = Xid.branch_of("node-9:killed-1", remote.name)
+branch = remote.start(xid)
+for i in range(100):
+    branch.send("orders", b"%03d" % i + b"k" * 200)
+remote.prepare(xid)  # killed at the second share: never returns
+"""
+
+
+def test_a_client_killed_between_shares_leaves_nothing_at_the_server(
+    tmp_path: Path, mlog: MessageLog, log_server: Listener, remote_log: RemoteMessageLog
+) -> None:
+    """kill -9 of the client after its second share: the server sees the connection end and
+    rolls the staged shares back; nothing is prepared or visible, and the log serves on."""
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT_KILLED_BETWEEN_SHARES)
+    host, port = log_server.address
+    done = run_script(script, [host, str(port), SECRET_TEXT],
+                      crash_at="remote.mlog.after_share:2")  # fmt: skip
+    assert done.returncode == -9, done.stderr
+    assert "crash point remote.mlog.after_share reached" in done.stderr
+    assert bodies(mlog) == [] and mlog.prepared_gids() == []
+    xid = Xid.branch_of("node-9:after-1", remote_log.name)
+    remote_log.start(xid).send("orders", b"after")
+    assert remote_log.prepare(xid) == Vote.COMMIT
+    assert remote_log.commit(xid) is None
+    remote_log.flush_commits()
+    assert bodies(mlog) == [b"after"]
 
 
 # -- the consumer ------------------------------------------------------------------------------
