@@ -18,6 +18,7 @@ past it: operations must not restore an old log directory over a live one with a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +37,27 @@ class Stream:
     messages: dict[int, Message] = field(default_factory=dict)
 
     def add(self, seq: int, message: Message) -> None:
-        if seq > self.acked and seq not in self.messages:
-            if self.messages and seq < next(reversed(self.messages)):
-                self.messages = dict(sorted({**self.messages, seq: message}.items()))
-            else:
-                self.messages[seq] = message
-        self.next_seq = max(self.next_seq, seq + 1)
+        self.add_many([(seq, message)])
+
+    def add_many(self, numbered: Iterable[tuple[int, Message]]) -> None:
+        """Messages with their numbers, kept in ascending order: appended, and sorted once at
+        the end if one came below the highest held. Concurrent commits apply their records in
+        an order other than their numbers' (each takes a block of numbers, then writes); sorting
+        per message made a quarter-million-message commit behind another quadratic (hours)."""
+        messages = self.messages
+        highest = next(reversed(messages)) if messages else 0
+        unordered = False
+        for seq, message in numbered:
+            if seq > self.acked and seq not in messages:
+                if seq < highest:
+                    unordered = True
+                else:
+                    highest = seq
+                messages[seq] = message
+            if seq >= self.next_seq:
+                self.next_seq = seq + 1
+        if unordered:
+            self.messages = dict(sorted(messages.items()))
 
     def ack(self, upto: int) -> int:
         """Drop messages up to ``upto``; how many left."""
@@ -137,12 +153,16 @@ class LogState:
             raise ValueError(
                 f"commit of {gid}: {len(numbers)} numbers for {len(messages)} messages"
             )
-        for index, (name, seq) in enumerate(numbers):
-            stream = self.stream(name)
-            if messages:
-                stream.add(seq, messages[index])
-            else:  # applied before (a duplicate) or compacted: the numbers still count
+        if not messages:  # applied before (a duplicate) or compacted: the numbers still count
+            for name, seq in numbers:
+                stream = self.stream(name)
                 stream.next_seq = max(stream.next_seq, seq + 1)
+            return
+        by_stream: dict[str, list[tuple[int, Message]]] = {}
+        for (name, seq), message in zip(numbers, messages, strict=True):
+            by_stream.setdefault(name, []).append((seq, message))
+        for name, numbered in by_stream.items():
+            self.stream(name).add_many(numbered)
 
     def live_records(self, now_ms: int, tombstone_ms: int) -> list[dict[str, Any]]:
         """What a rollover carries: the incarnation, streams and their messages, prepared
