@@ -146,18 +146,27 @@ def rollback_quietly(resource: Resource[Any], xid: Xid) -> bool:
     return True
 
 
+def prepared_of(resource: Resource[Any], gtrid: str) -> list[Xid]:
+    """``resource``'s prepared branches of ``gtrid``: one narrowed statement where the resource
+    has one (PostgreSQL: every task asks before it writes, and a wide write has a branch per
+    partition prepared), else its ``recover()`` filtered here."""
+    if isinstance(resource, PostgresResource):
+        return resource.recover_gtrid(gtrid)
+    return [xid for xid in resource.recover() if xid.gtrid == gtrid]
+
+
 def rollback_prepared(
-    resources: Iterable[Resource[Any]], select: Callable[[Xid], bool]
+    resources: Iterable[Resource[Any]], gtrid: str, select: Callable[[Xid], bool]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Roll back every prepared branch ``select`` picks from each resource's ``recover()``: the
-    driver's sweep of a gtrid and an executor's retirement of its partition's other attempts.
+    """Roll back every prepared branch of ``gtrid`` that ``select`` picks, on each resource: the
+    driver's sweep of a gtrid and an executor's retirement of its partition's older attempts.
     Returns the gids rolled back and what failed (gids, and ``<resource>:recover`` for a resource
     that could not be listed)."""
     rolled: list[str] = []
     failed: list[str] = []
     for resource in resources:
         try:
-            prepared = resource.recover()
+            prepared = prepared_of(resource, gtrid)
         except Exception as exc:
             _log.warning("cannot list %s's prepared branches: %r", resource.name, exc)
             failed.append(f"{resource.name}:recover")

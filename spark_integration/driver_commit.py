@@ -51,7 +51,7 @@ from coordinator.decision_log import Decision, DecisionLog, HeuristicRecord
 from coordinator.protocol import BranchResult, branch_result
 from coordinator.xid import resource_of
 
-from .connect import Opened, open_targets, rollback_prepared, rollback_quietly
+from .connect import Opened, open_targets, prepared_of, rollback_prepared, rollback_quietly
 from .ids import driver_xid
 from .ledger import Committed, committed
 from .partition_writer import CommitMessage, resolve_gtrid
@@ -133,7 +133,7 @@ def abort(
         if decided is not None:
             log.warning("abort of %s, which is committed: rolling forward", gtrid)
             return _finish(opened, decision_log, decided, replay=True)
-        rolled, failed = rollback_prepared(opened.all_resources(), lambda x: x.gtrid == gtrid)
+        rolled, failed = rollback_prepared(opened.all_resources(), gtrid, lambda _: True)
         return CommitReport(gtrid, "rolled-back", False, (), rolled, failed)
 
 
@@ -160,7 +160,7 @@ def _check_still_prepared(opened: Opened, gtrid: str, bquals: Sequence[str]) -> 
     its grace, or by an operator): committing the rest would lose that partition's rows."""
     prepared: set[str] = set()
     for resource in opened.resources.values():
-        prepared |= {x.bqual for x in resource.recover() if x.gtrid == gtrid}
+        prepared |= {x.bqual for x in prepared_of(resource, gtrid)}
     missing = [b for b in bquals if b not in prepared]
     if missing:
         raise TransactionRolledBack(
@@ -214,7 +214,7 @@ def _finish(
                 log.warning("END of %s not written: %r", decided.gtrid, exc)
     keep = frozenset(decided.branches)
     rolled, failed = rollback_prepared(
-        opened.all_resources(), lambda x: x.gtrid == decided.gtrid and x.bqual not in keep
+        opened.all_resources(), decided.gtrid, lambda x: x.bqual not in keep
     )
     return CommitReport(
         decided.gtrid, "committed", replay, tuple(done), rolled, (*pending, *failed)

@@ -205,7 +205,7 @@ def _retire_other_attempts(
     newer: list[str] = []
 
     def older_attempt(xid: Xid) -> bool:
-        info = parse_branch(xid.bqual) if xid.gtrid == gtrid else None
+        info = parse_branch(xid.bqual)
         if info is None or info.partition != partition:
             return False
         if run is not None and info.nonce == run and info.task_attempt_id > task_attempt_id:
@@ -213,7 +213,7 @@ def _retire_other_attempts(
             return False
         return True
 
-    retired, _ = rollback_prepared(opened.resources.values(), older_attempt)
+    retired, _ = rollback_prepared(opened.resources.values(), gtrid, older_attempt)
     for gid in retired:
         log.info("retired %s, an older attempt of partition %d", gid, partition)
     if newer:

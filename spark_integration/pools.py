@@ -104,8 +104,16 @@ def _make_engine(url: str) -> tuple[Engine, Callable[[bool], None]]:
     return engine, lambda mine: engine.dispose(close=mine)
 
 
+#: seconds a Redis reply may take (redis-py's default is 5): a branch's prepare and commit are
+#: each one script over the whole partition's keys, which runs for seconds at a quarter of a
+#: million keys and queues behind the other partitions' scripts; a shorter wait turned a busy
+#: server into failed prepares and retried commits (bench/spark_sink.py, 1M rows, 4 partitions).
+#: A ``socket_timeout`` in the URL's query wins.
+REDIS_REPLY_SECONDS = 120.0
+
+
 def _make_redis(url: str) -> tuple[redis.Redis, Callable[[bool], None]]:
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=REDIS_REPLY_SECONDS)
 
     def close(mine: bool) -> None:
         if mine:

@@ -30,6 +30,21 @@ class RecoveryOps(PostgresBase, PreparedGauges):
         self._purge_markers()
         return found
 
+    def recover_gtrid(self, gtrid: str) -> list[Xid]:
+        """`recover` narrowed to one global transaction by the statement itself (``starts_with``
+        on the gid's fixed prefix), not by reading every prepared transaction of the server: a
+        Spark task asks this before it writes, with every other partition's branch prepared."""
+        if self._held:
+            self._release_expired()
+        prefix = Xid.branch_of(gtrid, "x").to_gid().rsplit("_", 1)[0] + "_"
+        rows = self._pool.query(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+            "AND owner = current_user AND starts_with(gid, %s)",
+            [prefix],
+        )
+        found = branches_of((str(gid) for (gid,) in rows), self._name, sub_branches=True)
+        return [xid for xid in found if xid.gtrid == gtrid]
+
     def forget(self, xid: Xid) -> None:
         facts = self._server_facts()
         if facts.marker_table is not None:

@@ -25,6 +25,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.decision_log import Decision
+from coordinator.xid import sub_branch
 from resource_managers.postgres import PostgresResource
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager
@@ -380,6 +381,23 @@ def test_recover_lists_only_our_database_role_format_and_branch(
         with bank.engines[0].connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text("ROLLBACK PREPARED 'not-a-twopc-gid'"))
         theirs_engine.dispose()
+
+
+def test_recover_of_one_gtrid_is_narrowed_by_the_statement(bank: Bank) -> None:
+    """``recover_gtrid`` lists the branches of one global transaction, sub-branches included,
+    and nothing of a gtrid that merely starts the same (``x-1`` against ``x-10``)."""
+    first = prepared_branch(bank.a, "node-1:x-1", "t1")
+    sub = Xid.branch_of("node-1:x-1", sub_branch(bank.a.name, "p0", 0.0))
+    move(bank.a.start(sub), "t2", 2, 10)
+    assert bank.a.prepare(sub) == Vote.COMMIT
+    longer = prepared_branch(bank.a, "node-1:x-10", "t3", 3)
+    try:
+        assert sorted(bank.a.recover_gtrid("node-1:x-1"), key=str) == sorted([first, sub], key=str)
+        assert bank.a.recover_gtrid("node-1:x-10") == [longer]
+        assert bank.a.recover_gtrid("node-1:x-2") == []
+    finally:
+        for xid in (first, sub, longer):
+            bank.a.rollback(xid)
 
 
 def test_two_nodes_on_one_database_never_touch_each_others_branches(
