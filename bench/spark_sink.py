@@ -19,6 +19,9 @@ Spark's scheduling and, for twopc, the driver's commit. Rows (``--json`` ids), a
   round trip): the baseline of ``twopc-pg-redis``; neither atomic nor exactly once.
 - ``jetstream``: ``foreachPartition`` publishing each row to a JetStream file stream, 1000
   publishes in flight, every PubAck awaited: at-least-once, the baseline of ``twopc-mlog``.
+- ``noop-ds``: a Python data source whose writer reads its Arrow batches and writes nothing:
+  Spark's own cost per partition on the data source path (a write task, Arrow batches to a Python
+  worker, commit messages, the driver's commit call), the floor under every ``twopc-*`` row.
 - ``twopc-pg``: ``df.write.format("twopc")`` to PostgreSQL with default options (the Arrow writer
   wherever it is correct, `spark_integration.arrow_choice`); the SQL decision log lives on the
   same server in its own database. Every row exactly once whatever Spark retries.
@@ -75,6 +78,7 @@ import psycopg2
 import psycopg2.extras
 import redis
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
 
 from messaging.auth import SharedSecret
 from messaging.connection import Listener
@@ -263,6 +267,38 @@ def _twopc(with_redis: bool, arrow: str | None = None) -> Callable[..., None]:
     return run
 
 
+class _NoopWriter(DataSourceArrowWriter):
+    """Reads every Arrow batch of its partition and writes nothing."""
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        for _ in iterator:
+            pass
+        return WriterCommitMessage()
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        pass
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        pass
+
+
+class NoopSource(DataSource):
+    """``noop-ds``: Spark's Python data source path with nothing behind it, the floor under
+    ``twopc-pg``: a write task per partition, Arrow batches to a Python worker, commit messages
+    to the driver and its commit call; what that costs per partition is Spark's, not twopc's."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "bench_noop"
+
+    def writer(self, schema: Any, overwrite: bool) -> _NoopWriter:
+        return _NoopWriter()
+
+
+def _noop(env: Env, df: DataFrame, tag: str) -> None:
+    df.write.format(NoopSource.name()).mode("append").save()
+
+
 def _twopc_mlog(env: Env, df: DataFrame, tag: str) -> None:
     df.write.format("twopc").options(**env.mlog_options(f"items-{tag}")).mode("append").save()
 
@@ -273,6 +309,7 @@ SINKS = [
     Sink("ev", "plain foreachPartition (execute_values)", PG, _plain(execute_values_sink)),
     Sink("copy+redis", "plain COPY + pipelined Redis", PG_REDIS, _copy_redis),
     Sink("jetstream", "plain JetStream publish, acked", frozenset({"nats"}), _jetstream),
+    Sink("noop-ds", "Python data source writing nothing", frozenset(), _noop),
     Sink("twopc-pg", "twopc -> PostgreSQL (defaults)", PG, _twopc(False)),
     Sink("twopc-pg-arrow", "twopc -> PostgreSQL (arrow=true)", PG, _twopc(False, "true")),
     Sink("twopc-pg-rows", "twopc -> PostgreSQL (arrow=false)", PG, _twopc(False, "false")),
@@ -567,6 +604,7 @@ def session(cores: int, warehouse: Path) -> SparkSession:
     )
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
+    spark.dataSource.register(NoopSource)
     return spark
 
 
