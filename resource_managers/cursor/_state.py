@@ -84,14 +84,17 @@ class Entry:
 class Fifo:
     """A queue's available entries: higher priority first, arrival order within a priority.
 
-    One ordered dict per priority level, so adding at the tail is O(1); an entry returned by a
-    rollback, which belongs before later arrivals, re-sorts only its level."""
+    One ordered dict per priority level, so adding at the tail is O(1). An entry returned by a
+    rollback belongs before later arrivals: its level is marked and re-sorted once, at the next
+    read, so a rollback that returns a thousand entries behind a deep backlog sorts the level
+    once, not a thousand times (the message log's streams had that quadratic; this had it too)."""
 
-    __slots__ = ("_levels", "_where")
+    __slots__ = ("_levels", "_unsorted", "_where")
 
     def __init__(self) -> None:
         self._levels: dict[int, dict[str, int]] = {}  # priority -> key -> order
         self._where: dict[str, int] = {}  # key -> priority
+        self._unsorted: set[int] = set()  # levels an entry joined out of order
 
     def add(self, key: str, priority: int, order: int) -> None:
         if key in self._where:
@@ -104,7 +107,7 @@ class Fifo:
         level[key] = order
         self._where[key] = priority
         if last is not None and level[last] > order:
-            self._levels[priority] = dict(sorted(level.items(), key=lambda kv: kv[1]))
+            self._unsorted.add(priority)
 
     def discard(self, key: str) -> bool:
         priority = self._where.pop(key, None)
@@ -114,6 +117,7 @@ class Fifo:
         del level[key]
         if not level:
             del self._levels[priority]
+            self._unsorted.discard(priority)
         return True
 
     def __contains__(self, key: object) -> bool:
@@ -121,6 +125,7 @@ class Fifo:
 
     def __iter__(self) -> Iterator[str]:
         """Callers do not change the queue while they iterate (they collect, then apply)."""
+        self._sort()
         for level in self._levels.values():
             yield from level
 
@@ -128,9 +133,16 @@ class Fifo:
         return len(self._where)
 
     def first(self) -> str | None:
+        self._sort()
         for level in self._levels.values():
             return next(iter(level))
         return None
+
+    def _sort(self) -> None:
+        for priority in self._unsorted:
+            level = self._levels[priority]
+            self._levels[priority] = dict(sorted(level.items(), key=lambda kv: kv[1]))
+        self._unsorted.clear()
 
 
 @dataclass
