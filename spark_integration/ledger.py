@@ -75,7 +75,6 @@ class Ledger:
 
     def __init__(self, engine: Engine, table_prefix: str = "twopc_") -> None:
         self.engine = engine
-        self.table_prefix = table_prefix
         self.table = _ledger_table(table_prefix)
 
     def ensure(self) -> None:

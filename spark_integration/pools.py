@@ -66,23 +66,25 @@ class Pools:
     def close(self) -> None:
         """Close every pool of this process (a forked child only forgets its parent's)."""
         with self._lock:
+            self._forget_parents_locked()
             items, self._items = list(self._items.values()), OrderedDict()
-            mine = self._pid == os.getpid()
-            self._pid = os.getpid()
         for _, close in items:
-            close(mine)
+            close(True)
+
+    def _forget_parents_locked(self) -> None:
+        """In a forked child: forget the parent's pools without closing (not our sockets)."""
+        if self._pid != os.getpid():
+            for _, close in self._items.values():
+                close(False)
+            self._items = OrderedDict()
+            self._pid = os.getpid()
 
     def _get(
         self, kind: str, url: str, make: Callable[[str], tuple[Any, Callable[[bool], None]]]
     ) -> Any:
         evicted: list[Callable[[bool], None]] = []
         with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's sockets are not ours
-                evicted_parent = list(self._items.values())
-                self._items = OrderedDict()
-                self._pid = os.getpid()
-                for _, close in evicted_parent:
-                    close(False)
+            self._forget_parents_locked()
             key = (kind, url)
             item = self._items.get(key)
             if item is None:

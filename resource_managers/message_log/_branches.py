@@ -252,11 +252,7 @@ class BranchOps(LogBase):
         with self._lock:
             if committed is not None:
                 self._committing.discard(committed)
-            by_stream: dict[str, list[tuple[int, Message]]] = {}
-            for (name, seq), message in zip(vnumbers, volatile, strict=True):
-                by_stream.setdefault(name, []).append((seq, message))
-            for name, numbered in by_stream.items():
-                self._state.stream(name).add_many(numbered)
+            self._state.add_numbered(vnumbers, volatile)
             for name, seq in [*numbers, *vnumbers]:
                 self._inflight[name].discard(seq)
             if not one_phase:

@@ -18,7 +18,7 @@ past it: operations must not restore an old log directory over a live one with a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +158,11 @@ class LogState:
                 stream = self.stream(name)
                 stream.next_seq = max(stream.next_seq, seq + 1)
             return
+        self.add_numbered(numbers, messages)
+
+    def add_numbered(self, numbers: Iterable[Sequence[Any]], messages: Iterable[Message]) -> None:
+        """Each message joins its stream under its ``(stream, seq)``, one `Stream.add_many` per
+        stream (so a stream is sorted at most once per commit)."""
         by_stream: dict[str, list[tuple[int, Message]]] = {}
         for (name, seq), message in zip(numbers, messages, strict=True):
             by_stream.setdefault(name, []).append((seq, message))

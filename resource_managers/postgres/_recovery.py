@@ -4,6 +4,7 @@ outcome markers (read, forgotten, purged) and the prepared-transaction gauges.""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from coordinator import Xid
 from coordinator.xid import branches_of
@@ -20,13 +21,7 @@ class RecoveryOps(PostgresBase, PreparedGauges):
     def recover(self) -> list[Xid]:
         """Our prepared branches (and sub-branches) in this database, owned by our role, of any
         age."""
-        if self._held:
-            self._release_expired()
-        rows = self._pool.query(
-            "SELECT gid FROM pg_prepared_xacts "
-            "WHERE database = current_database() AND owner = current_user"
-        )
-        found = branches_of((str(gid) for (gid,) in rows), self._name, sub_branches=True)
+        found = self._prepared("", None)
         self._purge_markers()
         return found
 
@@ -34,16 +29,20 @@ class RecoveryOps(PostgresBase, PreparedGauges):
         """`recover` narrowed to one global transaction by the statement itself (``starts_with``
         on the gid's fixed prefix), not by reading every prepared transaction of the server: a
         Spark task asks this before it writes, with every other partition's branch prepared."""
+        prefix = Xid.branch_of(gtrid, "x").to_gid().rsplit("_", 1)[0] + "_"
+        found = self._prepared(" AND starts_with(gid, %s)", [prefix])
+        return [xid for xid in found if xid.gtrid == gtrid]
+
+    def _prepared(self, narrower: str, params: list[Any] | None) -> list[Xid]:
+        """Our prepared branches and sub-branches, the query narrowed by ``narrower`` (SQL)."""
         if self._held:
             self._release_expired()
-        prefix = Xid.branch_of(gtrid, "x").to_gid().rsplit("_", 1)[0] + "_"
         rows = self._pool.query(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
-            "AND owner = current_user AND starts_with(gid, %s)",
-            [prefix],
+            "SELECT gid FROM pg_prepared_xacts "
+            "WHERE database = current_database() AND owner = current_user" + narrower,
+            params,
         )
-        found = branches_of((str(gid) for (gid,) in rows), self._name, sub_branches=True)
-        return [xid for xid in found if xid.gtrid == gtrid]
+        return branches_of((str(gid) for (gid,) in rows), self._name, sub_branches=True)
 
     def forget(self, xid: Xid) -> None:
         facts = self._server_facts()
