@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from spark_integration.pools import Pools
+from spark_integration.pools import REDIS_REPLY_SECONDS, Pools
 
 
 def test_one_engine_per_url_and_the_least_recently_used_goes(tmp_path: Path) -> None:
@@ -42,3 +42,14 @@ def test_a_forked_child_builds_its_own_pools(tmp_path: Path) -> None:
     os.waitpid(pid, 0)
     assert answer == b"1"
     assert pools.engine(url) is parent  # the parent keeps its own
+
+
+def test_redis_clients_wait_for_a_whole_partition_script() -> None:
+    """A branch's prepare or commit is one script over the partition's keys: redis-py's 5 s reply
+    timeout failed them under load, so the pooled clients wait 120 s unless the URL says."""
+    pools = Pools()
+    waits = pools.redis("redis://127.0.0.1:1/0").connection_pool.connection_kwargs
+    assert waits["socket_timeout"] == REDIS_REPLY_SECONDS == 120.0
+    given = pools.redis("redis://127.0.0.1:1/0?socket_timeout=7").connection_pool
+    assert given.connection_kwargs["socket_timeout"] == 7.0
+    pools.close()
