@@ -21,7 +21,7 @@ import select
 import socket
 import ssl
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -37,7 +37,7 @@ from .auth import (
     client_handshake,
     server_handshake,
 )
-from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, encode
+from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, MsgBatch, encode_many
 
 if TYPE_CHECKING:
     from .authz import Authoriser
@@ -86,6 +86,8 @@ class Connection:
             sock, max_frame=max_frame, versions=frozenset({peer.version}), read_ahead=READ_AHEAD
         )
         self._send_lock = threading.Lock()
+        #: the messages of a MSGS frame not yet returned by `recv` (version 3)
+        self._unbatched: deque[Frame] = deque()
         self._closed = threading.Event()
         self._timeout: float | object | None = object()  # what the socket has now
 
@@ -98,8 +100,9 @@ class Connection:
 
     def send_many(self, frames: Iterable[Frame]) -> None:
         """Encode first, then one ``sendall``: a batch costs one system call, and a frame too
-        large is refused (`ProgrammingError`) before any byte of the batch is sent."""
-        data = b"".join(encode(f, version=self.version, max_frame=self.max_frame) for f in frames)
+        large is refused (`ProgrammingError`) before any byte of the batch is sent. From
+        protocol version 3, consecutive Msgs go as MSGS frames (`frames.encode_many`)."""
+        data = encode_many(frames, version=self.version, max_frame=self.max_frame)
         if not data:
             return
         with self._send_lock:
@@ -109,7 +112,7 @@ class Connection:
         """Is a frame's byte here already, so `recv` will not wait for the peer to start one?
         Bytes the reader read ahead, or that a TLS socket decrypted, are invisible to ``select``
         on the socket: they count too."""
-        if self._reader.pending():
+        if self._unbatched or self._reader.pending():
             return True
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0:
             return True
@@ -117,20 +120,25 @@ class Connection:
 
     def recv(self, timeout: float | None = None) -> Frame | None:
         """The next frame; None when the peer closed cleanly. ``timeout`` raises `TimeoutError`
-        with the partial frame kept (call again). A bad frame raises `FrameError`: close."""
+        with the partial frame kept (call again). A bad frame raises `FrameError`: close.
+        MSGS comes out as its Msgs, one per call."""
+        if self._unbatched:
+            return self._unbatched.popleft()
         if self._timeout != timeout:
             self.sock.settimeout(timeout)
             self._timeout = timeout
-        return self._reader.read()
+        frame = self._reader.read()
+        if type(frame) is MsgBatch:
+            self._unbatched.extend(frame.messages)
+            return self._unbatched.popleft()
+        return frame
 
     def refuse(self, code: str, message: str) -> None:
         """Best effort: tell the peer why we close (it may be gone already), then close."""
-        try:
+        with contextlib.suppress(OSError, FrameError):
             self.sock.settimeout(1.0)
             self._timeout = 1.0
             self.send(ErrorFrame(code, message[:500]))
-        except (OSError, FrameError):
-            pass
         self.close()
 
     def close(self) -> None:
@@ -386,8 +394,6 @@ def _refuse(conn: Connection | None, sock: socket.socket, code: str, message: st
     if conn is not None:
         conn.refuse(code, message)
         return
-    try:
+    with contextlib.suppress(OSError):
         sock.settimeout(1.0)
-        sock.sendall(encode(ErrorFrame(code, message)))
-    except OSError:
-        pass
+        sock.sendall(encode_many([ErrorFrame(code, message)]))

@@ -33,6 +33,7 @@ and writing them on sockets and asyncio streams).
 """
 
 from ._base import (
+    BATCH_VERSION,
     DEFAULT_MAX_FRAME,
     HANDSHAKE_VERSIONS,
     HEADER,
@@ -47,7 +48,7 @@ from ._base import (
     Value,
     bad_frame,
 )
-from ._codec import Header, decode, decode_payload, encode, parse_header
+from ._codec import Header, decode, decode_payload, encode, encode_many, parse_header
 from ._io import FrameReader, read_frame, send_frame, write_frame
 from ._schema import (
     XA_VERBS,
@@ -57,6 +58,7 @@ from ._schema import (
     Frame,
     Hello,
     Msg,
+    MsgBatch,
     Nack,
     Origin,
     Ping,
@@ -68,6 +70,7 @@ from ._schema import (
 from ._values import decode_value, encode_value
 
 __all__ = [
+    "BATCH_VERSION",
     "DEFAULT_MAX_FRAME",
     "HANDSHAKE_VERSIONS",
     "HEADER",
@@ -88,6 +91,7 @@ __all__ = [
     "Header",
     "Hello",
     "Msg",
+    "MsgBatch",
     "Nack",
     "Origin",
     "Ping",
@@ -101,6 +105,7 @@ __all__ = [
     "decode_payload",
     "decode_value",
     "encode",
+    "encode_many",
     "encode_value",
     "parse_header",
     "read_frame",

@@ -18,8 +18,10 @@ MAGIC = b"TPCM"
 PROTOCOL_VERSION = 1
 #: version 2 adds ORIGIN: a transfer says which log (its durable identity) it carries
 ORIGIN_VERSION = 2
+#: version 3 adds MSGS: a run of messages in one frame, in a fixed binary layout
+BATCH_VERSION = 3
 HANDSHAKE_VERSIONS = frozenset({PROTOCOL_VERSION})
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION, ORIGIN_VERSION})
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION, ORIGIN_VERSION, BATCH_VERSION})
 HEADER = struct.Struct(">4sBBHII")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -48,6 +50,7 @@ class FrameType(enum.IntEnum):
     ACK = 17
     NACK = 18
     ORIGIN = 19
+    MSGS = 20
     XA_START = 32
     XA_PREPARE = 33
     XA_COMMIT = 34

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import binascii
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import (
     Any,
 )
 
-from coordinator.errors import FrameError, InvalidXidError
+from coordinator.errors import InvalidXidError
 
 from ._base import (
-    _BYTES,
-    _FALSE,
-    _MAP,
-    _STR,
-    _TRUE,
-    _U64,
-    _UINT,
+    BATCH_VERSION,
     DEFAULT_MAX_FRAME,
     HEADER,
     HEADER_SIZE,
@@ -32,8 +27,10 @@ from ._base import (
     _misuse,
     bad_frame,
 )
-from ._schema import _SCHEMAS, Frame, Msg, XaRequest
-from ._values import _bad_payload, _encode_value, _read_sized, _read_varint, _varint, decode_value
+from ._batch import batch_payload, decode_batch, encode_batch_payload, runs
+from ._msg_codec import _decode_msg, _encode_msg
+from ._schema import _SCHEMAS, Frame, Msg, MsgBatch, XaRequest
+from ._values import _bad_payload, _encode_value, decode_value
 
 # -- frames ----------------------------------------------------------------------------------------
 
@@ -54,13 +51,43 @@ def encode(
 ) -> bytes:
     """One whole frame. A wrong field type or a frame over ``max_frame`` is the caller's bug
     (`ProgrammingError`): better refused here than dropped by the peer with the connection."""
-    out = _encode_msg(frame) if type(frame) is Msg else None
+    out: bytearray | None = None
+    if type(frame) is MsgBatch:
+        if version < BATCH_VERSION:
+            raise _misuse(f"MSGS needs protocol version {BATCH_VERSION}, not {version}")
+        out = bytearray(HEADER_SIZE) + encode_batch_payload(frame)
+    elif type(frame) is Msg:
+        out = _encode_msg(frame)
     if out is None:
         out = _encode_generic(frame)
+    return finish(out, frame.TYPE, version=version, max_frame=max_frame)
+
+
+def encode_many(
+    frames: Iterable[Frame], *, version: int = PROTOCOL_VERSION, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """Frames as they go on the wire, in order. From version 3 each run of consecutive Msgs
+    goes as MSGS frames of at most ``max_frame`` (`_batch`), which a reader unpacks."""
+    if version < BATCH_VERSION:
+        return b"".join(encode(f, version=version, max_frame=max_frame) for f in frames)
+    out = []
+    for item in runs(frames, max_frame):
+        if type(item) is list:
+            whole = bytearray(HEADER_SIZE) + batch_payload(item)
+            out.append(finish(whole, FrameType.MSGS, version=version, max_frame=max_frame))
+        else:
+            out.append(encode(item, version=version, max_frame=max_frame))  # type: ignore[arg-type]
+    return b"".join(out)
+
+
+def finish(
+    out: bytearray, ftype: FrameType, *, version: int, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """``out`` (header room, then a payload) as a whole frame: the header and its CRC."""
     if len(out) > max_frame:
         raise _misuse(f"{len(out)} bytes exceed the frame limit of {max_frame}")
     length = len(out) - HEADER_SIZE
-    HEADER.pack_into(out, 0, MAGIC, version, frame.TYPE, 0, length, 0)
+    HEADER.pack_into(out, 0, MAGIC, version, ftype, 0, length, 0)
     # binascii's crc32 keeps the GIL (zlib's drops it over 5 KiB: see journal framing)
     crc = binascii.crc32(memoryview(out)[HEADER_SIZE:], binascii.crc32(memoryview(out)[:12]))
     struct.pack_into(">I", out, 12, crc)
@@ -89,96 +116,6 @@ def _encode_generic(frame: Frame) -> bytearray:
     return out
 
 
-def _key(name: str) -> bytes:
-    return bytes([len(name)]) + name.encode("ascii")
-
-
-# Msg's field names in the payload's (sorted) key order, each as it is written: length, name.
-_K_BODY, _K_COUNT, _K_DEST, _K_EPOCH, _K_EXPIRES, _K_HEADERS = map(
-    _key, ("body", "delivery_count", "destination", "epoch", "expires_at_ms", "headers")
-)
-_K_ID, _K_PERSISTENT, _K_PREV, _K_REDELIVERED, _K_SEQ, _K_STREAM = map(
-    _key, ("message_id", "persistent", "prev", "redelivered", "seq", "stream")
-)
-
-
-def _put_str(text: str, out: bytearray) -> None:
-    raw = text.encode("utf-8", "strict")
-    out.append(_STR)
-    _varint(len(raw), out)
-    out += raw
-
-
-def _put_uint(n: int, out: bytearray) -> None:
-    out.append(_UINT)
-    _varint(n, out)
-
-
-def _encode_msg(m: Msg) -> bytearray | None:
-    """`_encode_generic`'s bytes for a MSG frame, written straight from its fields (a transfer
-    sends one per message, and the generic walk was most of its cost). None when a field is not
-    of the everyday kind (text headers, non-negative numbers, valid UTF-8): the generic path then
-    encodes it or refuses it with its message. Tests hold the two byte-identical."""
-    stream, mid, dest, body, headers = m.stream, m.message_id, m.destination, m.body, m.headers
-    numbers = (m.epoch, m.seq, m.prev, m.delivery_count)
-    expires, persistent, redelivered = m.expires_at_ms, m.persistent, m.redelivered
-    if not (
-        type(stream) is str and type(mid) is str and type(dest) is str and type(body) is bytes
-        and type(headers) is dict and all(type(n) is int and 0 <= n < _U64 for n in numbers)
-        and (expires is None or (type(expires) is int and 0 <= expires < _U64))
-        and type(persistent) is bool and type(redelivered) is bool
-        and all(type(k) is str and type(v) is str for k, v in headers.items())
-    ):  # fmt: skip
-        return None
-    epoch, seq, prev, count = numbers
-    fields_ = 7 + (count != 0) + (expires is not None) + bool(headers)
-    fields_ += (not persistent) + redelivered
-    out = bytearray(HEADER_SIZE)
-    out.append(_MAP)
-    out.append(fields_)  # at most 12: one varint byte
-    try:
-        out += _K_BODY
-        out.append(_BYTES)
-        _varint(len(body), out)
-        out += body
-        if count:
-            out += _K_COUNT
-            _put_uint(count, out)
-        out += _K_DEST
-        _put_str(dest, out)
-        out += _K_EPOCH
-        _put_uint(epoch, out)
-        if expires is not None:
-            out += _K_EXPIRES
-            _put_uint(expires, out)
-        if headers:
-            out += _K_HEADERS
-            out.append(_MAP)
-            _varint(len(headers), out)
-            for key in sorted(headers):
-                raw = key.encode("utf-8", "strict")
-                _varint(len(raw), out)
-                out += raw
-                _put_str(headers[key], out)
-        out += _K_ID
-        _put_str(mid, out)
-        if not persistent:
-            out += _K_PERSISTENT
-            out.append(_FALSE)
-        out += _K_PREV
-        _put_uint(prev, out)
-        if redelivered:
-            out += _K_REDELIVERED
-            out.append(_TRUE)
-        out += _K_SEQ
-        _put_uint(seq, out)
-        out += _K_STREAM
-        _put_str(stream, out)
-    except UnicodeEncodeError:
-        return None
-    return out
-
-
 def parse_header(
     data: bytes | bytearray | memoryview,
     *,
@@ -195,7 +132,7 @@ def parse_header(
         raise bad_frame("version", "unsupported protocol version", sorted(versions), version)
     if flags & ~KNOWN_FLAGS:
         raise bad_frame("flags", "reserved flags set", KNOWN_FLAGS, flags)
-    if ftype not in _SCHEMAS:
+    if ftype not in _SCHEMAS and (ftype != FrameType.MSGS or version < BATCH_VERSION):
         raise bad_frame("type", "unknown frame type", sorted(_SCHEMAS), ftype)
     if length > max_frame - HEADER_SIZE:
         raise bad_frame("length", "frame over the size limit", max_frame - HEADER_SIZE, length)
@@ -217,6 +154,8 @@ def decode_payload(
         msg = _decode_msg(payload)
         if msg is not None:
             return msg
+    elif header.type is FrameType.MSGS:
+        return decode_batch(payload)
     return _decode_generic(header.type, payload)
 
 
@@ -242,119 +181,6 @@ def _decode_generic(ftype: FrameType, payload: bytes | bytearray | memoryview) -
         kwargs["verb"] = ftype
     frame: Frame = cls(**kwargs)
     return frame
-
-
-def _uint_at(data: bytes, pos: int) -> tuple[int, int]:
-    """An unsigned integer value (tag, then varint) at ``pos``."""
-    if data[pos] != _UINT:
-        raise _bad_payload("not the everyday form")
-    if data[pos + 1] < 0x80:
-        return data[pos + 1], pos + 2
-    return _read_varint(memoryview(data), pos + 1)
-
-
-def _str_at(data: bytes, pos: int) -> tuple[str, int]:
-    """A text value (tag, length, UTF-8) at ``pos``."""
-    if data[pos] != _STR:
-        raise _bad_payload("not the everyday form")
-    n, start = data[pos + 1], pos + 2
-    if n >= 0x80:
-        n, start = _read_varint(memoryview(data), pos + 1)
-    end = start + n
-    if end > len(data):
-        raise _bad_payload("text runs past the payload's end")
-    return data[start:end].decode("utf-8"), end
-
-
-def _bool_at(data: bytes, pos: int) -> bool:
-    if data[pos] not in (_FALSE, _TRUE):
-        raise _bad_payload("not the everyday form")
-    return data[pos] == _TRUE
-
-
-def _headers_at(data: bytes, pos: int) -> tuple[dict[str, Value], int]:
-    """A map of text to text at ``pos``, keys strictly ascending."""
-    if data[pos] != _MAP:
-        raise _bad_payload("not the everyday form")
-    entries, pos = _read_varint(memoryview(data), pos + 1)
-    headers: dict[str, Value] = {}
-    previous = ""
-    for i in range(entries):
-        raw, pos = _read_sized(memoryview(data), pos)
-        key = str(raw, "utf-8")
-        if i and key <= previous:
-            raise _bad_payload("header keys out of order")
-        headers[key], pos = _str_at(data, pos)
-        previous = key
-    return headers, pos
-
-
-def _decode_msg(payload: bytes | bytearray | memoryview) -> Msg | None:  # noqa: PLR0912
-    """The Msg `_decode_generic` would build, read in the everyday layout `_encode_msg` writes
-    (fields in canonical order, numbers unsigned, headers text); None for any other payload,
-    which the generic path then reads or refuses with its own error. Nothing is accepted here
-    that the generic path would refuse: varints minimal (a one-byte one always is), text valid
-    UTF-8, header keys strictly ascending, field names compared whole and in order, every byte
-    used."""
-    data = bytes(payload)  # one small copy: bytes index and compare cheaper than a view
-    try:
-        if data[0] != _MAP or data[1] > 12 or not data.startswith(_K_BODY, 2):
-            return None
-        at = 2 + len(_K_BODY)
-        if data[at] != _BYTES:
-            return None
-        n, start = data[at + 1], at + 2
-        if n >= 0x80:
-            n, start = _read_varint(memoryview(data), at + 1)
-        pos = start + n
-        if pos > len(data):
-            return None
-        body = data[start:pos]
-        count, fields_ = data[1], 7
-        delivery_count = 0
-        if data.startswith(_K_COUNT, pos):
-            delivery_count, pos = _uint_at(data, pos + len(_K_COUNT))
-            fields_ += 1
-        if not data.startswith(_K_DEST, pos):
-            return None
-        destination, pos = _str_at(data, pos + len(_K_DEST))
-        if not data.startswith(_K_EPOCH, pos):
-            return None
-        epoch, pos = _uint_at(data, pos + len(_K_EPOCH))
-        expires: int | None = None
-        if data.startswith(_K_EXPIRES, pos):
-            expires, pos = _uint_at(data, pos + len(_K_EXPIRES))
-            fields_ += 1
-        headers: dict[str, Value] = {}
-        if data.startswith(_K_HEADERS, pos):
-            headers, pos = _headers_at(data, pos + len(_K_HEADERS))
-            fields_ += 1
-        if not data.startswith(_K_ID, pos):
-            return None
-        message_id, pos = _str_at(data, pos + len(_K_ID))
-        persistent = True
-        if data.startswith(_K_PERSISTENT, pos):
-            persistent = _bool_at(data, pos + len(_K_PERSISTENT))
-            pos, fields_ = pos + len(_K_PERSISTENT) + 1, fields_ + 1
-        if not data.startswith(_K_PREV, pos):
-            return None
-        prev, pos = _uint_at(data, pos + len(_K_PREV))
-        redelivered = False
-        if data.startswith(_K_REDELIVERED, pos):
-            redelivered = _bool_at(data, pos + len(_K_REDELIVERED))
-            pos, fields_ = pos + len(_K_REDELIVERED) + 1, fields_ + 1
-        if not data.startswith(_K_SEQ, pos):
-            return None
-        seq, pos = _uint_at(data, pos + len(_K_SEQ))
-        if not data.startswith(_K_STREAM, pos):
-            return None
-        stream, pos = _str_at(data, pos + len(_K_STREAM))
-    except (FrameError, IndexError, UnicodeDecodeError):
-        return None
-    if pos != len(data) or count != fields_:
-        return None
-    return Msg(stream, epoch, seq, prev, message_id, destination, body, headers, expires,
-               persistent, redelivered, delivery_count)  # fmt: skip
 
 
 def decode(

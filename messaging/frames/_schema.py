@@ -203,6 +203,16 @@ class Msg:
     delivery_count: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class MsgBatch:
+    """Version 3: consecutive MSG frames of one connection as one frame (`_batch` gives its
+    layout). `messaging.connection.Connection` makes and unmakes them: a sender hands it Msgs,
+    a reader gets Msgs back, in order."""
+
+    TYPE: ClassVar[FrameType] = FrameType.MSGS
+    messages: tuple[Msg, ...]
+
+
 @_frame(FrameType.ACK)
 @dataclass(frozen=True, slots=True)
 class Ack:
@@ -286,6 +296,7 @@ Frame: TypeAlias = (
     | Ping
     | Pong
     | Msg
+    | MsgBatch
     | Ack
     | Nack
     | Origin

@@ -64,9 +64,14 @@ class Delivery:
         # The cursor keeps the message it hands out: the consumer gets its own headers, so a
         # handler that changes them cannot change what a rollback brings back or what a
         # rollover writes (records are checked when written, not when carried).
-        if self.message.headers:
-            message = dataclasses.replace(self.message, headers=dict(self.message.headers))
-            object.__setattr__(self, "message", message)
+        m = self.message
+        if m.headers:
+            if type(m) is Message:  # what replace() builds, without its generic walk
+                copy = Message(m.message_id, m.destination, m.body, dict(m.headers),
+                               m.persistent, m.expires_at)  # fmt: skip
+            else:
+                copy = dataclasses.replace(m, headers=dict(m.headers))
+            object.__setattr__(self, "message", copy)
 
     @property
     def redelivered(self) -> bool:

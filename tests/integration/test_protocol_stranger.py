@@ -32,7 +32,7 @@ from messaging.server import CursorServer, LogServer
 KEY = b"stranger's shared secret, 36 bytes!"
 TYPES = {
     **{"HELLO": 1, "AUTH": 2, "WELCOME": 3, "ERROR": 4, "PING": 5, "PONG": 6},
-    **{"MSG": 16, "ACK": 17, "NACK": 18, "ORIGIN": 19},
+    **{"MSG": 16, "ACK": 17, "NACK": 18, "ORIGIN": 19, "MSGS": 20},
     **{"XA_START": 32, "XA_PREPARE": 33, "XA_COMMIT": 34, "XA_RECOVER": 36, "XA_REPLY": 47},
 }
 NAMES = {number: name for name, number in TYPES.items()}
@@ -119,8 +119,8 @@ class Wire:
         self.speaks = version
         self.version = 1  # in the handshake
 
-    def send(self, name: str, fields: dict[str, Any]) -> None:
-        payload = enc(fields)
+    def send(self, name: str, fields: dict[str, Any], payload: bytes | None = None) -> None:
+        payload = enc(fields) if payload is None else payload
         head = b"TPCM" + bytes([self.version, TYPES[name]]) + b"\x00\x00"
         head += struct.pack(">I", len(payload))
         crc = zlib.crc32(head + payload)
@@ -246,7 +246,7 @@ def test_handshake_refusals_get_their_documented_codes(
     refused = Wire(cursor.address)
     refused.recv()
     refused.send("AUTH", {"client_id": "stranger", "nonce": bytes(32), "role": "consumer",
-                          "version": 3, "proof": bytes(32)})  # fmt: skip
+                          "version": 4, "proof": bytes(32)})  # fmt: skip
     name, error = refused.recv()
     assert (name, error["code"]) == ("ERROR", "unsupported-version")
 
@@ -254,7 +254,7 @@ def test_handshake_refusals_get_their_documented_codes(
 def test_a_stranger_log_speaks_version_2_to_the_cursor(
     servers: tuple[LogServer, CursorServer],
 ) -> None:
-    """Sections 1, 2 and 7 in version 2: HELLO lists [1, 2]; the transfer begins with ORIGIN;
+    """Sections 1, 2 and 7 in version 2: HELLO lists [1, 2, 3]; the transfer begins with ORIGIN;
     each log's stream is its own at the cursor, and an older incarnation is fenced."""
     _, cursor = servers
     for log_id, body in (("stranger-a", b"from a"), ("stranger-b", b"from b")):
@@ -271,3 +271,35 @@ def test_a_stranger_log_speaks_version_2_to_the_cursor(
     older.send("ORIGIN", {"log": "stranger-a", "incarnation": 4})
     name, error = older.recv()
     assert (name, error["code"]) == ("ERROR", "log-fenced")
+
+
+def msgs_payload(messages: list[dict[str, Any]]) -> bytes:
+    """Section 7.1's layout, built from the page alone."""
+    out = struct.pack(">I", len(messages))
+    for m in messages:
+        texts = [m["stream"].encode(), m["message_id"].encode(), m["destination"].encode()]
+        headers = [(k.encode(), v.encode()) for k, v in m.get("headers", {}).items()]
+        out += struct.pack(">BQQQQIHHHIH", 1, m["epoch"], m["seq"], m["prev"], 0, 0,
+                           *map(len, texts), len(m["body"]), len(headers))  # fmt: skip
+        out += b"".join(texts) + m["body"]
+        for k, v in headers:
+            out += struct.pack(">HI", len(k), len(v)) + k + v
+    return out
+
+
+def test_a_stranger_log_sends_a_run_of_messages_as_one_msgs_in_version_3(
+    servers: tuple[LogServer, CursorServer],
+) -> None:
+    """Section 7.1: MSGS carries MSGs in a fixed layout; the cursor judges each as a MSG and
+    acknowledges the run with one ACK per stream."""
+    _, cursor = servers
+    wire = Wire(cursor.address, version=3)
+    assert wire.handshake("transfer")[0] == "WELCOME" and wire.version == 3
+    wire.send("ORIGIN", {"log": "stranger-c", "incarnation": 1})
+    run = [{"stream": "batched", "epoch": 4, "seq": n, "prev": n - 1, "message_id": f"c-{n}",
+            "destination": "batched", "body": b"run %d" % n, "headers": {"n": str(n)}}
+           for n in (1, 2, 3)]  # fmt: skip
+    wire.send("MSGS", {}, msgs_payload(run))
+    assert wire.recv() == ("ACK", {"stream": "batched", "epoch": 4, "seq": 3})
+    got = cursor.cursor.available("batched")
+    assert [(d.body, d.headers["n"]) for d in got] == [(b"run %d" % n, str(n)) for n in (1, 2, 3)]

@@ -28,9 +28,11 @@ from messaging.frames import (
     MAGIC,
     PROTOCOL_VERSION,
     FrameType,
+    Msg,
     Value,
     encode_value,
 )
+from messaging.frames._batch import batch_payload, pack_msg
 
 T = TypeVar("T")
 
@@ -236,8 +238,8 @@ def mutate(d: Draw, ftype: int, payload: bytes) -> bytes:
         data += d.raw(3) or b"\x00"
     elif how == 6:
         return raw_frame(d.choice((0, 7, 15, 20, 31, 38, 46, 48, 255, ftype)), bytes(data))
-    else:  # a version no connection speaks (versions 1 and 2 exist)
-        return raw_frame(ftype, bytes(data), version=d.choice((0, 3, 255)), flags=d.choice((0, 1)))
+    else:  # a version no connection speaks (versions 1 to 3 exist)
+        return raw_frame(ftype, bytes(data), version=d.choice((0, 4, 255)), flags=d.choice((0, 1)))
     return raw_frame(ftype, bytes(data))
 
 
@@ -416,7 +418,27 @@ class Role:
         if d.chance(0.05):
             return raw_frame(int(FrameType.PING), encode_value({"token": number(d)}))
         ftype, fields = any_frame(d, state) if d.chance(self.stray_rate) else self.make(d, state)
+        if ftype == FrameType.MSG and d.chance(0.3):
+            batch = msgs_payload([fields, *(state.msg(d) for _ in range(d.integer(0, 4)))])
+            if batch is not None:  # version 3's MSGS (`restamp` gives it the connection's)
+                if d.chance(self.mutation_rate):
+                    return mutate(d, int(FrameType.MSGS), batch)
+                return raw_frame(int(FrameType.MSGS), batch)
         return build(d, ftype, fields, mutation_rate=self.mutation_rate)
+
+
+def msgs_payload(many: list[dict[str, Value]]) -> bytes | None:
+    """The MSGS payload of these MSG fields, or None if one of them does not fit its layout."""
+    packed = []
+    for fields in many:
+        try:
+            one = pack_msg(Msg(**fields))  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        if one is None:
+            return None
+        packed.append(one)
+    return batch_payload(packed)
 
 
 ROLES = {

@@ -49,8 +49,8 @@ def test_the_documents_worked_handshake_is_what_the_code_computes(
     received, signed = answer_hello(secret, hello, "log-1", "transfer", "cursor-1")
     _, welcome = check_auth(secret, received, signed, roles={"transfer", "consumer"})
     peer = check_welcome(secret, received, signed, welcome)
-    assert (peer.id, peer.role, peer.version) == ("cursor-1", "transfer", 2)
-    assert hello.versions == (1, 2) and b"versions" in hello_on_wire  # not the default: sent
+    assert (peer.id, peer.role, peer.version) == ("cursor-1", "transfer", 3)
+    assert hello.versions == (1, 2, 3) and b"versions" in hello_on_wire  # not the default: sent
 
     client = auth._transcript("client", received, signed)
     server = auth._transcript("server", received, signed)
