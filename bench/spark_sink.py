@@ -27,6 +27,8 @@ Spark's scheduling and, for twopc, the driver's commit. Rows (``--json`` ids), a
   same server in its own database. Every row exactly once whatever Spark retries.
 - ``twopc-pg-arrow``: the same with ``arrow=true``; ``twopc-pg-rows``: with ``arrow=false`` (the
   Row path, the default before the Arrow writer was).
+- ``twopc-pg-save``: ``spark_integration.save(df, options)``, the same write through RDD tasks
+  (Rows, like ``twopc-pg-rows``), whose fixed cost per partition Spark keeps lower.
 - ``twopc-pg-redis``: ``twopc-pg`` plus a Redis ``SET item:{id} {name}`` per row, in the same
   atomic decision (Redis branch with durability ``strict``).
 - ``twopc-mlog``: a message-log target only (body ``{id},{name},{amount}``, as ``jetstream``'s).
@@ -80,6 +82,7 @@ import redis
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
 
+import spark_integration
 from messaging.auth import SharedSecret
 from messaging.connection import Listener
 from messaging.remote import PRODUCER_ROLE, ProducerService
@@ -267,6 +270,13 @@ def _twopc(with_redis: bool, arrow: str | None = None) -> Callable[..., None]:
     return run
 
 
+def _twopc_save(with_redis: bool) -> Callable[..., None]:
+    def run(env: Env, df: DataFrame, tag: str) -> None:
+        spark_integration.save(df, env.twopc_options(with_redis))
+
+    return run
+
+
 class _NoopWriter(DataSourceArrowWriter):
     """Reads every Arrow batch of its partition and writes nothing."""
 
@@ -313,6 +323,7 @@ SINKS = [
     Sink("twopc-pg", "twopc -> PostgreSQL (defaults)", PG, _twopc(False)),
     Sink("twopc-pg-arrow", "twopc -> PostgreSQL (arrow=true)", PG, _twopc(False, "true")),
     Sink("twopc-pg-rows", "twopc -> PostgreSQL (arrow=false)", PG, _twopc(False, "false")),
+    Sink("twopc-pg-save", "twopc -> PostgreSQL, save() (RDD tasks)", PG, _twopc_save(False)),
     Sink("twopc-pg-redis", "twopc -> PostgreSQL + Redis", PG_REDIS, _twopc(True)),
     Sink("twopc-mlog", "twopc -> message log", frozenset({"mlog"}), _twopc_mlog),
 ]

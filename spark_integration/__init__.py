@@ -4,9 +4,10 @@ message log, on Spark's own two-phase write path, importable and testable withou
 Executors call `write_partition` (write and prepare, one branch per task attempt and target); the
 driver calls `commit` or `abort` with the commit messages; `recovery_manager` finishes what a
 crashed driver left. `spark_integration.datasource` wires these to Spark's ``write``/``commit``/
-``abort`` (``format("twopc")``, batch and streaming) and `spark_integration.foreach_batch` to
-``foreachBatch``; those names (``TwopcDataSource``, ``foreach_batch_writer``) are importable from
-here but loaded on first use, so nothing else needs pyspark.
+``abort`` (``format("twopc")``, batch and streaming), `spark_integration.foreach_batch` to
+``foreachBatch``, and `spark_integration.rdd_write` (``save(df, options)``) to RDD tasks, whose
+fixed cost per partition is lower; those names (``TwopcDataSource``, ``foreach_batch_writer``,
+``save``) are importable from here but loaded on first use, so nothing else needs pyspark.
 
 `register` lives here and only here (``from spark_integration import register``): one import
 path for the call every job makes first.
@@ -26,6 +27,8 @@ from .targets import WriteConfig, parse_options
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from .rdd_write import save as save  # typed for callers; loaded on first use
+
 __all__ = [
     "CommitMessage",
     "CommitReport",
@@ -44,6 +47,7 @@ __all__ = [
 _SPARK_ONLY = {
     "TwopcDataSource": "datasource",
     "foreach_batch_writer": "foreach_batch",
+    "save": "rdd_write",
 }
 
 

@@ -2,6 +2,7 @@
 
     python tests/spark/driver_worker.py stream OPTIONS_JSON SOURCE_DIR CHECKPOINT_DIR
     python tests/spark/driver_worker.py kill-executor OPTIONS_JSON MARKER_FILE
+    python tests/spark/driver_worker.py save OPTIONS_JSON
 
 Why a separate process: a driver crash must take down a whole driver — its JVM, the Python
 workers that JVM forks for ``commit`` and the tasks — and nothing of the test's own process. The
@@ -18,6 +19,10 @@ commits/>`` when the query ended normally; a failed query prints ``FAILED <error
 (two executor JVMs). The first attempt of partition 1 prepares its branches, records their gids
 in ``MARKER_FILE`` and then SIGKILLs its own executor JVM, as a lost executor would die: Spark
 must retry the task on the other executor. Prints ``DONE``.
+
+``save``: ids 0..999 in 4 partitions through `spark_integration.save` (RDD tasks) on
+``local[2,2]``, whose commit runs in this very process. Prints ``STARTED``, then ``DONE
+<outcome> <fresh|replay>``.
 
 Output lines are flushed at once, so a SIGKILL loses nothing printed.
 """
@@ -40,6 +45,7 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 from pyspark import TaskContext
 from pyspark.sql import SparkSession
 
+import spark_integration
 from spark_integration import register
 from spark_integration.datasource import TwopcBatchWriter, TwopcCommitMessage, TwopcDataSource
 
@@ -169,6 +175,18 @@ def kill_executor(options: dict[str, str], marker: str) -> int:
     return 0
 
 
+def save(options: dict[str, str]) -> int:
+    spark = session("local[2,2]", "twopc-crash-save")
+    say("STARTED")
+    df = spark.range(0, N, numPartitions=PARTS).selectExpr(
+        "CAST(id AS INT) AS id", "CONCAT('n', CAST(id AS STRING)) AS name"
+    )
+    report = spark_integration.save(df, options)
+    say(f"DONE {report.outcome} {'replay' if report.replay else 'fresh'}")
+    spark.stop()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     mode, options_file, *rest = argv
     options: dict[str, Any] = json.loads(Path(options_file).read_text())
@@ -176,6 +194,8 @@ def main(argv: list[str]) -> int:
         return stream(options, *rest)
     if mode == "kill-executor":
         return kill_executor(options, *rest)
+    if mode == "save":
+        return save(options)
     raise SystemExit(f"unknown mode {mode!r}")
 
 

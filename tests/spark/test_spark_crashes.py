@@ -319,3 +319,44 @@ def test_executor_killed_after_prepare_is_retried_elsewhere_exactly_once(
     assert len(killed["branches"]) == 2  # attempt 0 of partition 1 did prepare pg and redis
     assert not Path(f"/proc/{killed['jvm']}").exists()  # that executor JVM is gone
     stores.expect_exactly_once(1000)
+
+
+# -- 4. spark_integration.save: RDD tasks, the commit in the driver's own process --------------
+
+
+def save_args(tmp: Path, options: dict[str, str]) -> list[str]:
+    options_file = tmp / "save-options.json"
+    options_file.write_text(json.dumps({**options, "txnVersion": "save-1"}))
+    return ["save", str(options_file)]
+
+
+def test_save_task_workers_killed_after_prepare_are_retried_exactly_once(
+    stores: Stores, children: Callable[..., Child], tmp_path: Path
+) -> None:
+    """``spark.save.after_prepare.0``: a first attempt's Python worker dies with its partition
+    prepared, before Spark hears of it. Spark retries the task; the retry retires the dead
+    attempt's branches (their Redis locks would stop it) and the job commits once."""
+    child = children("save", *save_args(tmp_path, stores.options),
+                     crash_at="spark.save.after_prepare.0")  # fmt: skip
+    assert child.finish() == 0, child.describe()
+    assert child.stdout.strip().endswith("DONE committed fresh"), child.describe()
+    assert crash_line("spark.save.after_prepare.0")(child), child.describe()
+    stores.expect_exactly_once(1000)
+
+
+def test_save_driver_killed_after_the_decision_finishes_on_rerun(
+    stores: Stores, children: Callable[..., Child], tmp_path: Path
+) -> None:
+    """``spark.driver_after_commit`` in `save`: the driver process itself dies with the COMMIT
+    durable and no branch told. Nothing is visible; the same job run again (same
+    ``txnVersion``) writes nothing, finds the decision and finishes it."""
+    args = save_args(tmp_path, stores.options)
+    crashed = children("crashed", *args, crash_at="spark.driver_after_commit")
+    crashed.wait_for(lambda: crash_line("spark.driver_after_commit")(crashed), "crash point line")
+    crashed.kill_group()
+    assert stores.rows() == [] and stores.pending_decisions() == 1
+    rerun = children("rerun", *args)
+    assert rerun.finish() == 0, rerun.describe()
+    assert rerun.stdout.strip().endswith("DONE committed replay"), rerun.describe()
+    stores.expect_exactly_once(1000)
+    assert sorted(ledger_rows(stores).values()) == [1]
