@@ -37,7 +37,7 @@ from .auth import (
     client_handshake,
     server_handshake,
 )
-from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, MsgBatch, encode_many
+from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, MsgBatch, encode, encode_many
 
 if TYPE_CHECKING:
     from .authz import Authoriser
@@ -396,4 +396,4 @@ def _refuse(conn: Connection | None, sock: socket.socket, code: str, message: st
         return
     with contextlib.suppress(OSError):
         sock.settimeout(1.0)
-        sock.sendall(encode_many([ErrorFrame(code, message)]))
+        sock.sendall(encode(ErrorFrame(code, message)))

@@ -36,6 +36,7 @@ _FIXED = struct.Struct(">BQQQQIHHHIH")
 _HEADER = struct.Struct(">HI")
 _PERSISTENT, _REDELIVERED, _EXPIRES = 1, 2, 4
 _U16, _U32, _U64 = 2**16, 2**32, 2**64
+_ROOM = bytes(HEADER_SIZE)
 
 
 def pack_msg(m: Msg) -> bytes | None:
@@ -73,12 +74,19 @@ def pack_msg(m: Msg) -> bytes | None:
     return b"".join(parts)
 
 
+def batch_frame(packed: list[bytes]) -> bytearray:
+    """The header's room, then the MSGS payload of these packed messages, built in one copy
+    (`_codec.finish` writes the header into the room)."""
+    return bytearray().join((_ROOM, _COUNT.pack(len(packed)), *packed))
+
+
 def batch_payload(packed: list[bytes]) -> bytes:
+    """The MSGS payload alone (tests build frames from it, damaged or whole)."""
     return _COUNT.pack(len(packed)) + b"".join(packed)
 
 
-def encode_batch_payload(batch: MsgBatch) -> bytes:
-    """`MsgBatch`'s payload; a message the layout cannot hold is the caller's bug."""
+def pack_batch(batch: MsgBatch) -> list[bytes]:
+    """`MsgBatch`'s messages packed; a message the layout cannot hold is the caller's bug."""
     packed = []
     for m in batch.messages:
         one = pack_msg(m) if type(m) is Msg else None
@@ -87,7 +95,7 @@ def encode_batch_payload(batch: MsgBatch) -> bytes:
         packed.append(one)
     if not packed:
         raise _misuse("MSGS holds at least one message")
-    return batch_payload(packed)
+    return packed
 
 
 def runs(frames: Iterable[Frame], max_frame: int) -> Iterable[Frame | list[bytes]]:

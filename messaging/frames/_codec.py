@@ -27,7 +27,7 @@ from ._base import (
     _misuse,
     bad_frame,
 )
-from ._batch import batch_payload, decode_batch, encode_batch_payload, runs
+from ._batch import batch_frame, decode_batch, pack_batch, runs
 from ._msg_codec import _decode_msg, _encode_msg
 from ._schema import _SCHEMAS, Frame, Msg, MsgBatch, XaRequest
 from ._values import _bad_payload, _encode_value, decode_value
@@ -55,7 +55,7 @@ def encode(
     if type(frame) is MsgBatch:
         if version < BATCH_VERSION:
             raise _misuse(f"MSGS needs protocol version {BATCH_VERSION}, not {version}")
-        out = bytearray(HEADER_SIZE) + encode_batch_payload(frame)
+        out = batch_frame(pack_batch(frame))
     elif type(frame) is Msg:
         out = _encode_msg(frame)
     if out is None:
@@ -73,7 +73,7 @@ def encode_many(
     out = []
     for item in runs(frames, max_frame):
         if type(item) is list:
-            whole = bytearray(HEADER_SIZE) + batch_payload(item)
+            whole = batch_frame(item)
             out.append(finish(whole, FrameType.MSGS, version=version, max_frame=max_frame))
         else:
             out.append(encode(item, version=version, max_frame=max_frame))  # type: ignore[arg-type]

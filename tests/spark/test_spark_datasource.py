@@ -78,6 +78,21 @@ def items(spark: SparkSession, n: int = N, parts: int = PARTS) -> DataFrame:
     )
 
 
+def items_failing_once(spark: SparkSession, marker: Path) -> DataFrame:
+    """`items` whose first attempt of partition 1 fails on its last row, after the writer has
+    consumed the partition's other rows, and touches ``marker`` to show that it did."""
+
+    def fail_on_first_attempt_of_partition_1(i: int) -> int:
+        context = TaskContext.get()
+        if context and context.partitionId() == 1 and context.attemptNumber() == 0 and i == 499:
+            marker.touch()
+            raise RuntimeError("injected failure on the last row of partition 1")
+        return i
+
+    fail = F.udf(fail_on_first_attempt_of_partition_1, IntegerType())
+    return items(spark).withColumn("id", fail("id"))
+
+
 def save(df: DataFrame, options: dict[str, str], fmt: str = "twopc") -> None:
     df.write.format(fmt).options(**options).mode("append").save()
 
@@ -177,16 +192,7 @@ def test_first_attempt_failing_while_writing_is_retried(
     spark: SparkSession, env: Env, tmp_path: Path
 ) -> None:
     marker = tmp_path / "failed-attempt"
-
-    def fail_on_first_attempt_of_partition_1(i: int) -> int:
-        context = TaskContext.get()
-        if context and context.partitionId() == 1 and context.attemptNumber() == 0 and i == 499:
-            marker.touch()  # the writer has consumed the partition's other rows by now
-            raise RuntimeError("injected failure on the last row of partition 1")
-        return i
-
-    fail = F.udf(fail_on_first_attempt_of_partition_1, IntegerType())
-    save(items(spark).withColumn("id", fail("id")), env.options)
+    save(items_failing_once(spark, marker), env.options)
     assert marker.exists()
     env.expect_exactly_once()
 

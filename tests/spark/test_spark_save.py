@@ -19,12 +19,10 @@ if importlib.util.find_spec("pyspark") is None:  # under CI a missing pyspark mu
         raise RuntimeError("pyspark is not installed: pip install -e '.[spark]'")
     pytest.skip("pyspark is not installed", allow_module_level=True)
 
-from pyspark import TaskContext, cloudpickle
-from pyspark.sql import functions as F
-from pyspark.sql.types import IntegerType
+from pyspark import cloudpickle
 
 from spark_integration import save
-from tests.spark.test_spark_datasource import PARTS, Env, N, env, items
+from tests.spark.test_spark_datasource import PARTS, Env, N, env, items, items_failing_once
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -46,16 +44,7 @@ def test_a_task_failing_while_writing_is_retried(
     spark: SparkSession, env: Env, tmp_path: Path
 ) -> None:
     marker = tmp_path / "failed-attempt"
-
-    def fail_on_first_attempt_of_partition_1(i: int) -> int:
-        context = TaskContext.get()
-        if context and context.partitionId() == 1 and context.attemptNumber() == 0 and i == 499:
-            marker.touch()
-            raise RuntimeError("injected failure on the last row of partition 1")
-        return i
-
-    fail = F.udf(fail_on_first_attempt_of_partition_1, IntegerType())
-    save(items(spark).withColumn("id", fail("id")), env.options)
+    save(items_failing_once(spark, marker), env.options)
     assert marker.exists()
     env.expect_exactly_once()
 
