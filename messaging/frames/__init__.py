@@ -48,6 +48,7 @@ from ._base import (
     Value,
     bad_frame,
 )
+from ._batch import PackedMsg, pack_fields
 from ._codec import Header, decode, decode_payload, encode, encode_many, parse_header
 from ._io import FrameReader, read_frame, send_frame, write_frame
 from ._schema import (
@@ -94,6 +95,7 @@ __all__ = [
     "MsgBatch",
     "Nack",
     "Origin",
+    "PackedMsg",
     "Ping",
     "Pong",
     "Value",
@@ -107,6 +109,7 @@ __all__ = [
     "encode",
     "encode_many",
     "encode_value",
+    "pack_fields",
     "parse_header",
     "read_frame",
     "send_frame",

@@ -25,7 +25,7 @@ text, a delivery count of 2**32 or more) travels as a MSG frame of its own, in i
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ._base import HEADER_SIZE, _misuse
 from ._schema import Frame, Msg, MsgBatch
@@ -39,17 +39,43 @@ _U16, _U32, _U64 = 2**16, 2**32, 2**64
 _ROOM = bytes(HEADER_SIZE)
 
 
+class PackedMsg(bytes):
+    """A Msg already in the MSGS layout (`pack_fields`): what a sender that holds a message's
+    fields, not a `Msg`, hands `Connection.send_many` at version 3 and later."""
+
+    __slots__ = ()
+
+
 def pack_msg(m: Msg) -> bytes | None:
     """One message in the MSGS layout; None if the layout cannot hold it (see the module)."""
-    stream, mid, dest, body, headers = m.stream, m.message_id, m.destination, m.body, m.headers
-    expires, count = m.expires_at_ms, m.delivery_count
+    return pack_fields(
+        m.stream, m.epoch, m.seq, m.prev, m.message_id, m.destination, m.body, m.headers,
+        m.expires_at_ms, m.persistent, m.redelivered, m.delivery_count,
+    )  # fmt: skip
+
+
+def pack_fields(  # noqa: PLR0917 - a Msg's fields, without building one
+    stream: str,
+    epoch: int,
+    seq: int,
+    prev: int,
+    mid: str,
+    dest: str,
+    body: bytes,
+    headers: Mapping[str, object],
+    expires: int | None,
+    persistent: bool,
+    redelivered: bool,
+    count: int,
+) -> PackedMsg | None:
+    """A Msg of these fields in the MSGS layout; None if the layout cannot hold it."""
     if not (
         type(body) is bytes and type(headers) is dict
-        and type(m.epoch) is int and type(m.seq) is int and type(m.prev) is int
-        and 0 <= m.epoch < _U64 and 0 <= m.seq < _U64 and 0 <= m.prev < _U64
+        and type(epoch) is int and type(seq) is int and type(prev) is int
+        and 0 <= epoch < _U64 and 0 <= seq < _U64 and 0 <= prev < _U64
         and (expires is None or (type(expires) is int and 0 <= expires < _U64))
         and type(count) is int and 0 <= count < _U32
-        and type(m.persistent) is bool and type(m.redelivered) is bool
+        and type(persistent) is bool and type(redelivered) is bool
         and len(body) < _U32 and len(headers) < _U16
     ):  # fmt: skip
         return None
@@ -60,18 +86,18 @@ def pack_msg(m: Msg) -> bytes | None:
         return None
     if any(len(r) >= _U16 for r in raw) or any(len(k) >= _U16 or len(v) >= _U32 for k, v in pairs):
         return None
-    flags = m.persistent * _PERSISTENT + m.redelivered * _REDELIVERED
+    flags = persistent * _PERSISTENT + redelivered * _REDELIVERED
     if expires is not None:
         flags |= _EXPIRES
     parts = [
-        _FIXED.pack(flags, m.epoch, m.seq, m.prev, expires or 0, count,
+        _FIXED.pack(flags, epoch, seq, prev, expires or 0, count,
                     len(raw[0]), len(raw[1]), len(raw[2]), len(body), len(pairs)),
         *raw,
         body,
     ]  # fmt: skip
     for k, v in pairs:
         parts += (_HEADER.pack(len(k), len(v)), k, v)
-    return b"".join(parts)
+    return PackedMsg(b"".join(parts))
 
 
 def batch_frame(packed: list[bytes]) -> bytearray:
@@ -98,15 +124,24 @@ def pack_batch(batch: MsgBatch) -> list[bytes]:
     return packed
 
 
-def runs(frames: Iterable[Frame], max_frame: int) -> Iterable[Frame | list[bytes]]:
-    """``frames`` with each run of consecutive packable Msgs as a list of packed messages, cut
-    so that its frame fits in ``max_frame``; everything else, in its place, as it was."""
+def runs(frames: Iterable[Frame | PackedMsg], max_frame: int) -> Iterable[Frame | list[bytes]]:
+    """``frames`` with each run of consecutive packable Msgs (or `PackedMsg`) as a list of packed
+    messages, cut so that its frame fits in ``max_frame``; everything else, in its place, as it
+    was."""
     budget = max_frame - HEADER_SIZE - _COUNT.size
     run: list[bytes] = []
     size = 0
     for frame in frames:
-        packed = pack_msg(frame) if type(frame) is Msg else None
+        if isinstance(frame, PackedMsg):
+            if len(frame) > budget:
+                raise _misuse(f"a packed message of {len(frame)} bytes exceeds the frame limit")
+            packed: bytes | None = frame
+        elif type(frame) is Msg:
+            packed = pack_msg(frame)
+        else:
+            packed = None
         if packed is None or len(packed) > budget:  # a MSG of its own (or the encoder's refusal)
+            assert not isinstance(frame, PackedMsg)  # refused above
             if run:
                 yield run
                 run, size = [], 0

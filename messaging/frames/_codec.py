@@ -27,7 +27,7 @@ from ._base import (
     _misuse,
     bad_frame,
 )
-from ._batch import batch_frame, decode_batch, pack_batch, runs
+from ._batch import PackedMsg, batch_frame, decode_batch, pack_batch, runs
 from ._msg_codec import _decode_msg, _encode_msg
 from ._schema import _SCHEMAS, Frame, Msg, MsgBatch, XaRequest
 from ._values import _bad_payload, _encode_value, decode_value
@@ -64,12 +64,17 @@ def encode(
 
 
 def encode_many(
-    frames: Iterable[Frame], *, version: int = PROTOCOL_VERSION, max_frame: int = DEFAULT_MAX_FRAME
+    frames: Iterable[Frame | PackedMsg],
+    *,
+    version: int = PROTOCOL_VERSION,
+    max_frame: int = DEFAULT_MAX_FRAME,
 ) -> bytes:
     """Frames as they go on the wire, in order. From version 3 each run of consecutive Msgs
-    goes as MSGS frames of at most ``max_frame`` (`_batch`), which a reader unpacks."""
+    (or `PackedMsg`, a Msg packed already) goes as MSGS frames of at most ``max_frame``
+    (`_batch`), which a reader unpacks. A `PackedMsg` before version 3 is the caller's bug."""
     if version < BATCH_VERSION:
-        return b"".join(encode(f, version=version, max_frame=max_frame) for f in frames)
+        # a PackedMsg here is refused by `encode` as not a frame type
+        return b"".join(encode(f, version=version, max_frame=max_frame) for f in frames)  # type: ignore[arg-type]
     out = []
     for item in runs(frames, max_frame):
         if type(item) is list:

@@ -7,15 +7,16 @@ top, through the stream numbers (`resource_managers.sequencing`): the log number
 commit, this loop adopts them into a `StreamSender` per stream, which puts the previous number on
 each frame and judges every acknowledgment.
 
-One thread, the *pump*, owns the socket: it takes the acknowledgments that have arrived, reads
-new commits, expires, sends what is due (at most ``max_in_flight`` unacknowledged first sends per
+One thread, the *pump*, owns the socket: it takes the acknowledgments that have arrived, reads new
+commits, expires, sends what is due (at most ``max_in_flight`` unacknowledged first sends per
 stream, so a backlog cannot flood the socket and then time out in its buffer), reconnects, and
-sleeps in ``select`` on the socket and a wake-up pipe (poked when the log publishes). A single
-owner matters: a TLS socket must not be read and written by two threads at once, and a timeout
-set for a read must not cut a concurrent write short. A lost connection makes every
-unacknowledged message due again on the next one, since what was on the old one may never have
-arrived. Nothing here is durable: the log holds the messages and their numbers, the cursor the
-filter, so a crash of either side at any point costs at most a resend that the filter drops.
+sleeps in ``select`` on the socket and a wake-up pipe, which the thread that publishes pokes
+(`MessageLog.on_publish`: no thread of ours parked to relay the news). A single owner matters: a
+TLS socket must not be read and written by two threads at once, and a timeout set for a read must
+not cut a concurrent write short. A lost connection makes every unacknowledged message due again on
+the next one, since what was on the old one may never have arrived. Nothing here is durable: the
+log holds the messages and their numbers, the cursor the filter, so a crash of either side at any
+point costs at most a resend that the filter drops.
 
 Crash points: ``xfer.log.after_send`` (frames on the wire, no ack yet),
 ``xfer.log.before_compact`` (an ack received, the log not yet compacted) and
@@ -47,9 +48,20 @@ from resource_managers.message_log import MessageLog
 from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
 
 from ..connection import Connection
-from ..frames import ORIGIN_VERSION, Ack, ErrorFrame, Msg, Nack, Origin, Ping, Pong
+from ..frames import (
+    BATCH_VERSION,
+    ORIGIN_VERSION,
+    Ack,
+    ErrorFrame,
+    Msg,
+    Nack,
+    Origin,
+    PackedMsg,
+    Ping,
+    Pong,
+)
 from ..frames import Frame as WireFrame
-from .wire import to_wire
+from .wire import pack_wire, to_wire
 
 log = logging.getLogger("twopc.transfer")
 
@@ -106,6 +118,7 @@ class LogTransfer:
         self._closing = threading.Event()
         self._conn: Connection | None = None
         self._threads: list[threading.Thread] = []
+        self._unwatch: Callable[[], None] = lambda: None
         self._seen_version = -1
         self._fenced_logged: set[str] = set()
         self._last_sent = self._last_heard = time.monotonic()
@@ -113,14 +126,15 @@ class LogTransfer:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> LogTransfer:
-        for target, what in ((self._pump, "pump"), (self._watch, "watch")):
-            thread = threading.Thread(target=target, name=f"twopc-{self.name}-{what}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._unwatch = self.mlog.on_publish(self._poke)  # before the pump's first look
+        thread = threading.Thread(target=self._pump, name=f"twopc-{self.name}-pump", daemon=True)
+        thread.start()
+        self._threads.append(thread)
         return self
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing.set()
+        self._unwatch()
         self._poke()
         for thread in self._threads:
             thread.join(timeout)
@@ -168,15 +182,6 @@ class LogTransfer:
         return False
 
     # -- the pump --------------------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        """Wake the pump whenever the log publishes messages."""
-        seen = -1
-        while not self._closing.is_set():
-            version = self.mlog.wait(seen, timeout=0.5)
-            if version != seen:
-                seen = version
-                self._poke()
 
     def _pump(self) -> None:
         failures = 0
@@ -277,7 +282,7 @@ class LogTransfer:
         conn = self._conn
         if conn is None:
             return False
-        frames = self._wire(out)
+        frames = self._wire(out, conn.version)
         if frames:
             conn.send_many(frames)
             self.stats["frames_sent"] += len(frames)
@@ -288,17 +293,19 @@ class LogTransfer:
             self._last_sent = now
         return more
 
-    def _wire(self, out: list[tuple[Frame, str]]) -> list[Msg]:
+    def _wire(self, out: list[tuple[Frame, str]], version: int) -> list[Msg | PackedMsg]:
+        """The frames to send, packed already where the connection reads MSGS (`pack_wire`)."""
         by_stream: dict[str, list[Frame]] = {}
         for frame, name in out:
             by_stream.setdefault(name, []).append(frame)
-        frames: list[Msg] = []
+        frames: list[Msg | PackedMsg] = []
+        wire = pack_wire if version >= BATCH_VERSION else to_wire
         for name, group in by_stream.items():
             messages = self.mlog.get(name, [f.seq for f in group])
             for f in group:
                 message = messages.get(f.seq)
                 if message is not None:  # acknowledged or dropped meanwhile: nothing to send
-                    frames.append(to_wire(f, message))
+                    frames.append(wire(f, message))
                     if tracing.installed() is not None:
                         tracing.message_event(
                             "transfer.send", message.headers, destination=message.destination,

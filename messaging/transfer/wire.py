@@ -18,7 +18,7 @@ from resource_managers.message_log import (
 )
 from resource_managers.sequencing import MAX_NAME_CHARS, Frame, stream_key
 
-from ..frames import Msg, Value
+from ..frames import Msg, PackedMsg, Value, pack_fields
 
 
 def to_wire(frame: Frame, message: Message) -> Msg:
@@ -34,6 +34,18 @@ def to_wire(frame: Frame, message: Message) -> Msg:
         expires_at_ms=message.expires_at,
         persistent=message.persistent,
     )
+
+
+def pack_wire(frame: Frame, message: Message) -> PackedMsg | Msg:
+    """`to_wire` for a connection of protocol version 3 or later: the message packed in the
+    MSGS layout straight from the log's values, without a `Msg` in between (or the `Msg`, if
+    the layout cannot hold it)."""
+    packed = pack_fields(
+        frame.stream, frame.epoch, frame.seq, frame.prev, message.message_id,
+        message.destination, message.body, message.headers, message.expires_at,
+        message.persistent, False, 0,
+    )  # fmt: skip
+    return to_wire(frame, message) if packed is None else packed
 
 
 def from_wire(msg: Msg, log: str = "") -> tuple[Frame, Message]:

@@ -92,6 +92,7 @@ class LogBase:
     _staged: dict[str, Staged]  # gid -> a carried branch (`._carried`)
     _forgetting: set[str]  # remembered gids to forget with the next record (`._carried`)
     version: int  # bumped whenever messages become visible
+    _listeners: tuple[Callable[[], None], ...]  # called after each publish (`on_publish`)
     _journal: Journal
     _compaction: Compaction
     _lazy: LazyWatch

@@ -259,6 +259,8 @@ class BranchOps(LogBase):
                 self._hold_locked(volatile, -1)
             self.version += 1
             self.changed.notify_all()
+        for listener in self._listeners:
+            listener()
 
     def rollback(self, gid: str) -> None:
         """Discard a branch and leave its tombstone (a lazy record: a crash loses nothing that

@@ -111,6 +111,7 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
         self._staged: dict[str, Staged] = {}  # carried branches (`._carried`)
         self._forgetting: set[str] = set()  # forgets waiting for a record (`._carried`)
         self.version = 0  # bumped whenever messages become visible
+        self._listeners: tuple[Callable[[], None], ...] = ()  # `on_publish`
         self._journal = Journal(
             self.directory,
             replay=self._replay,

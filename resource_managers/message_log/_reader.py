@@ -4,7 +4,7 @@ them, expiry drops, refused messages kept, and the version a reader waits on."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,23 @@ class ReaderOps(LogBase):
         if expired:
             self.drop(stream, self.epoch(stream), [n for n, _ in expired])
         return expired
+
+    def on_publish(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` each time messages become visible (``version`` moves), in the
+        thread that published them, outside the log's lock; return the function that stops it.
+
+        For a reader that sleeps on something else (the transfer's pump sleeps in ``select`` on
+        its socket): a listener that pokes it costs a ``send`` per publish, where a thread parked
+        in `wait` to relay the news cost two thread switches, and its GIL, per commit. It must be
+        quick and must not raise (a commit waits for it)."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def stop() -> None:
+            with self._lock:
+                self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+        return stop
 
     def wait(self, seen: int, timeout: float | None = None) -> int:
         """Block until ``version`` passes ``seen`` (or the timeout); return the version."""

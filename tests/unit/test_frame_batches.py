@@ -18,12 +18,16 @@ from messaging.frames import (
     FrameType,
     Msg,
     MsgBatch,
+    PackedMsg,
     Ping,
     decode,
     encode,
     encode_many,
 )
 from messaging.frames._batch import _FIXED, pack_msg
+from messaging.transfer.wire import pack_wire, to_wire
+from resource_managers.message_log import Message
+from resource_managers.sequencing import Frame as SeqFrame
 from tests.unit.test_frames import EDGE_MESSAGES, raw_frame
 
 PLAIN = [
@@ -69,6 +73,30 @@ def test_older_versions_get_msg_frames_and_refuse_msgs() -> None:
     assert typed.value.what == "type"  # type: ignore[attr-defined]
     with pytest.raises(ProgrammingError):
         encode(MsgBatch(tuple(PLAIN)), version=2)
+
+
+def test_packed_messages_go_as_the_msgs_they_stand_for() -> None:
+    packed = [pack_msg(m) for m in PLAIN]
+    assert all(isinstance(p, PackedMsg) for p in packed)
+    mixed = [packed[0], PLAIN[1], Ping(7), *packed[2:]]
+    assert encode_many(mixed, version=3) == encode_many(
+        [*PLAIN[:2], Ping(7), *PLAIN[2:]], version=3
+    )
+    assert unbatched(encode_many(mixed, version=3)) == [*PLAIN[:2], Ping(7), *PLAIN[2:]]
+
+
+def test_a_packed_message_is_refused_where_it_cannot_go() -> None:
+    with pytest.raises(ProgrammingError, match="not a frame type"):  # no MSGS before version 3
+        encode_many([pack_msg(PLAIN[0])], version=2)
+    big = Msg("s", 1, 1, 0, "big", "q", b"x" * 5000)
+    with pytest.raises(ProgrammingError, match="exceeds the frame limit"):
+        encode_many([pack_msg(big)], version=3, max_frame=4096)
+
+
+def test_the_transfer_packs_a_logs_message_as_its_msg_would_be() -> None:
+    message = Message("m-1", "orders", b"body", {"id": "x", "k": "\u00e9"}, True, 1_700_000_000)
+    frame = SeqFrame("orders", 4, 9, 7, "m-1")
+    assert pack_wire(frame, message) == pack_msg(to_wire(frame, message))
 
 
 def test_runs_are_cut_to_the_frame_limit() -> None:
