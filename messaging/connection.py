@@ -37,19 +37,11 @@ from .auth import (
     client_handshake,
     server_handshake,
 )
-from .frames import (
-    DEFAULT_MAX_FRAME,
-    ErrorFrame,
-    Frame,
-    FrameReader,
-    MsgBatch,
-    PackedMsg,
-    encode,
-    encode_many,
-)
+from .frames import DEFAULT_MAX_FRAME, ErrorFrame, Frame, FrameReader, MsgBatch, encode, encode_many
 
 if TYPE_CHECKING:
     from .authz import Authoriser
+    from .frames import PackedMsg
 
 log = logging.getLogger("twopc.connection")
 
@@ -109,9 +101,8 @@ class Connection:
 
     def send_many(self, frames: Iterable[Frame | PackedMsg]) -> None:
         """Encode first, then one ``sendall``: a batch costs one system call, and a frame too
-        large is refused (`ProgrammingError`) before any byte of the batch is sent. From
-        protocol version 3, consecutive Msgs (or packed ones) go as MSGS frames
-        (`frames.encode_many`)."""
+        large is refused (`ProgrammingError`) before any byte of the batch is sent. From version
+        3, consecutive Msgs (or packed ones) go as MSGS frames (`frames.encode_many`)."""
         data = encode_many(frames, version=self.version, max_frame=self.max_frame)
         if not data:
             return
