@@ -48,7 +48,7 @@ from ._base import (
     Value,
     bad_frame,
 )
-from ._batch import PackedMsg, pack_fields
+from ._batch import MSGS_OVERHEAD, PackedMsg, pack_fields
 from ._codec import Header, decode, decode_payload, encode, encode_many, parse_header
 from ._io import FrameReader, read_frame, send_frame, write_frame
 from ._schema import (
@@ -79,6 +79,7 @@ __all__ = [
     "KNOWN_FLAGS",
     "MAGIC",
     "MAX_DEPTH",
+    "MSGS_OVERHEAD",
     "ORIGIN_VERSION",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",

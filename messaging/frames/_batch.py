@@ -124,11 +124,15 @@ def pack_batch(batch: MsgBatch) -> list[bytes]:
     return packed
 
 
+#: a MSGS frame's bytes besides its messages: the frame header and the count
+MSGS_OVERHEAD = HEADER_SIZE + _COUNT.size
+
+
 def runs(frames: Iterable[Frame | PackedMsg], max_frame: int) -> Iterable[Frame | list[bytes]]:
     """``frames`` with each run of consecutive packable Msgs (or `PackedMsg`) as a list of packed
     messages, cut so that its frame fits in ``max_frame``; everything else, in its place, as it
     was."""
-    budget = max_frame - HEADER_SIZE - _COUNT.size
+    budget = max_frame - MSGS_OVERHEAD
     run: list[bytes] = []
     size = 0
     for frame in frames:

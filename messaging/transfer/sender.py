@@ -30,6 +30,7 @@ with the whole loop in one class.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import select
 import socket
@@ -44,12 +45,14 @@ from coordinator import tracing
 from coordinator.backoff import Backoff, ExponentialBackoff
 from coordinator.crashpoints import crash_point
 from coordinator.errors import FrameError, LogError
-from resource_managers.message_log import MessageLog
+from resource_managers.message_log import Message, MessageLog
 from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, StreamSender
 
 from ..connection import Connection
 from ..frames import (
     BATCH_VERSION,
+    DEFAULT_MAX_FRAME,
+    MSGS_OVERHEAD,
     ORIGIN_VERSION,
     Ack,
     ErrorFrame,
@@ -299,7 +302,9 @@ class LogTransfer:
         for frame, name in out:
             by_stream.setdefault(name, []).append(frame)
         frames: list[Msg | PackedMsg] = []
-        wire = pack_wire if version >= BATCH_VERSION else to_wire
+        wire: Callable[[Frame, Message], Msg | PackedMsg] = to_wire
+        if version >= BATCH_VERSION:
+            wire = functools.partial(pack_wire, limit=self._conn_budget())
         for name, group in by_stream.items():
             messages = self.mlog.get(name, [f.seq for f in group])
             for f in group:
@@ -312,6 +317,11 @@ class LogTransfer:
                             seq=str(f.seq),
                         )  # fmt: skip
         return frames
+
+    def _conn_budget(self) -> int:
+        """The most a packed message may take in a MSGS frame on this connection."""
+        conn = self._conn
+        return (conn.max_frame if conn is not None else DEFAULT_MAX_FRAME) - MSGS_OVERHEAD
 
     def _sync(self) -> None:
         """Adopt what the log committed since the last look; a stream whose epoch changed (its

@@ -36,16 +36,17 @@ def to_wire(frame: Frame, message: Message) -> Msg:
     )
 
 
-def pack_wire(frame: Frame, message: Message) -> PackedMsg | Msg:
+def pack_wire(frame: Frame, message: Message, *, limit: int) -> PackedMsg | Msg:
     """`to_wire` for a connection of protocol version 3 or later: the message packed in the
-    MSGS layout straight from the log's values, without a `Msg` in between (or the `Msg`, if
-    the layout cannot hold it)."""
+    MSGS layout straight from the log's values, without a `Msg` in between; or the `Msg`, if the
+    layout cannot hold it or it packs to more than ``limit`` bytes (a MSGS frame's room), so
+    that it travels as a MSG of its own, as a `Msg` handed to the connection would."""
     packed = pack_fields(
         frame.stream, frame.epoch, frame.seq, frame.prev, message.message_id,
         message.destination, message.body, message.headers, message.expires_at,
         message.persistent, False, 0,
     )  # fmt: skip
-    return to_wire(frame, message) if packed is None else packed
+    return to_wire(frame, message) if packed is None or len(packed) > limit else packed
 
 
 def from_wire(msg: Msg, log: str = "") -> tuple[Frame, Message]:

@@ -163,10 +163,13 @@ class PostgresBase(Branches[Branch]):
         """Close the branch's handles; keep its connection for the next branch if it is idle and
         healthy (`_spares`), else give it back to the pool (or drop it, and the kept ones with
         it: a connection that broke says little good of its siblings)."""
-        try:
-            if branch.session is not None:
+        if branch.session is not None:
+            try:
                 branch.session.info.pop(BRANCH, None)
                 branch.session.close()
+            except Exception as exc:
+                log.debug("%s: closing the session of %s: %r", self._name, branch.gid, exc)
+        try:
             self._driver.detach(branch.dbapi)
             healthy = not broken and self._idle_and_healthy(branch.dbapi)
             if healthy and self._spares.keep(branch.pooled, branch.connection):

@@ -210,8 +210,10 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         self._held: dict[Xid, Branch] = {}
         self._wanted = threading.local()  # the handle `connection`/`dbapi_connection` asked for
         self._facts: ServerFacts | None = None
-        self._pool = Pooled(engine, self._driver, self._name)
-        self._spares = Spares(engine, keep_idle, keep_idle_seconds, self._give_back)
+        self._spares = Spares(
+            engine, keep_idle, keep_idle_seconds, lambda pooled: self._give_back(pooled, None)
+        )
+        self._pool = Pooled(engine, self._driver, self._name, self._spares.make_room)
         self._last_purge = 0.0
         self._last = last_resource
         self._decision_name = decision_table
@@ -278,10 +280,10 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         """A pooled connection, in autocommit mode, whose cursors report to the new branch. No
         round trip: the BEGIN waits for the first statement (the module docstring says why)."""
         kept = self._spares.take()
-        if kept is not None:  # idle since an earlier branch, still in autocommit mode
-            branch = Branch(xid, xid.to_gid(), kept[0], kept[0].dbapi_connection, self._begin_sql)
-            branch.connection = kept[1]
+        if kept is not None:  # idle since an earlier branch, in autocommit mode
+            branch = Branch(xid, xid.to_gid(), kept, kept.dbapi_connection, self._begin_sql)
             try:
+                self._driver.autocommit(branch.dbapi, True)  # unless a branch switched it off
                 self._driver.attach(branch.dbapi, branch)
             except Exception as exc:
                 log.debug("%s: a kept connection could not be reused: %r", self._name, exc)

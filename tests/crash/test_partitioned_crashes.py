@@ -101,10 +101,7 @@ def _misplaced(pg_url: str) -> list[tuple[str, str]]:
 
 
 def _ids(crashes: list[Any]) -> list[str]:
-    return [
-        "no kill" if c is None else "@".join(c)
-        for c in crashes
-    ]
+    return ["no kill" if c is None else "@".join(c) for c in crashes]
 
 
 @pytest.mark.parametrize("crash", CRASHES, ids=_ids(CRASHES))

@@ -405,8 +405,10 @@ def test_operator_ops_need_administer_grants(stack: tuple[LogServer, CursorServe
     only the client's queues; dropping a message needs ``administer`` on its queue; statistics
     (which name every destination) need an ``administer`` glob matching ``*``."""
     log, cursor, _ = stack
-    for node, who, secret, queue in (("orders-1", "orders-app", ORDERS, "orders.created"),
-                                     ("billing-1", "billing-app", BILLING, "billing.invoices")):
+    for node, who, secret, queue in (
+        ("orders-1", "orders-app", ORDERS, "orders.created"),
+        ("billing-1", "billing-app", BILLING, "billing.invoices"),
+    ):
         with (
             remote_log(log, who, secret) as sender,
             manager(node, sender) as tm,

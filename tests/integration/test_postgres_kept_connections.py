@@ -67,6 +67,78 @@ def test_the_next_branch_runs_on_the_connection_the_last_one_kept(
         assert conn.connection.dbapi_connection.autocommit is False  # type: ignore[union-attr]
 
 
+def test_a_handle_used_after_its_transaction_raises_and_writes_nothing(
+    engine: sa.Engine, managers: list
+) -> None:
+    """The connection is kept, its handles are not: a Core connection or a session kept past
+    the end of its transaction is closed, so its statements can neither autocommit nor run
+    inside the next branch on the same connection."""
+    pg = PostgresResource(engine, "pg")
+    tm = make_manager(managers, [pg])
+    with tm.transaction() as tx:
+        session = tx.join(pg)
+        core = pg.connection(tx)
+        core.execute(text("UPDATE accounts SET balance = balance - 1 WHERE id = 1"))
+    with tm.transaction() as tx:  # on the kept connection
+        pg.connection(tx).execute(text("UPDATE accounts SET balance = balance + 1 WHERE id = 2"))
+        with pytest.raises(sa.exc.ResourceClosedError):
+            core.execute(text("UPDATE accounts SET balance = 0 WHERE id = 3"))
+        with pytest.raises(sa.exc.ResourceClosedError):
+            session.execute(text("UPDATE accounts SET balance = 0 WHERE id = 4"))
+    with pytest.raises(sa.exc.ResourceClosedError):
+        core.execute(text("UPDATE accounts SET balance = 0 WHERE id = 3"))
+    assert total(engine) == 4000
+    with engine.connect() as conn:
+        balances = conn.execute(text("SELECT balance FROM accounts ORDER BY id")).scalars()
+        assert list(balances) == [999, 1001, 1000, 1000]
+
+
+def test_options_set_on_a_handle_stay_with_its_branch(engine: sa.Engine, managers: list) -> None:
+    pg = PostgresResource(engine, "pg", handle="connection")
+    tm = make_manager(managers, [pg])
+    with tm.transaction() as tx:
+        conn = pg.connection(tx)
+        conn.execution_options(logging_token="first")
+        conn.execute(text("SELECT 1"))
+    with tm.transaction() as tx:
+        assert "logging_token" not in pg.connection(tx).get_execution_options()
+
+
+def test_an_idle_resource_gives_its_kept_connections_back_in_time(
+    engine: sa.Engine, managers: list
+) -> None:
+    pg = PostgresResource(engine, "pg", handle="connection", keep_idle_seconds=0.2)
+    tm = make_manager(managers, [pg])
+    with tm.transaction() as tx:
+        pg.connection(tx).execute(text("SELECT 1"))
+    assert checked_out(engine) == 1
+    deadline = time.monotonic() + 5
+    while checked_out(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checked_out(engine) == 0  # the sweeper, with no branch to do it
+
+
+def test_the_resources_own_statements_never_wait_on_its_kept_connections(
+    make_pg_database: Callable[[], str], pg_driver: str, managers: list
+) -> None:
+    """A pool filled by someone else after a connection was kept: recovery (which borrows a
+    pooled connection) gives the kept ones back first instead of timing out."""
+    engine = ledger_engine(
+        on_driver(make_pg_database(), pg_driver), pool_size=2, max_overflow=0, pool_timeout=1
+    )
+    try:
+        pg = PostgresResource(engine, "pg", handle="connection")
+        tm = make_manager(managers, [pg])
+        with tm.transaction() as tx:
+            pg.connection(tx).execute(text("SELECT 1"))
+        assert checked_out(engine) == 1  # kept: one slot left for others
+        with engine.connect():  # someone takes it: the pool is full
+            assert checked_out(engine) == 2
+            assert pg.recover() == []  # would time out after 1 s on a full pool
+    finally:
+        engine.dispose()
+
+
 def test_concurrent_branches_keep_at_most_keep_idle(engine: sa.Engine, managers: list) -> None:
     pg = PostgresResource(engine, "pg", handle="connection", keep_idle=2)
     tm = make_manager(managers, [pg])

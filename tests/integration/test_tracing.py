@@ -76,7 +76,6 @@ def test_one_trace_from_the_producer_to_the_consumer(
         with TransactionManager(
             "consumer", FileDecisionLog(tmp_path / "ctx"), [cursor.resource, db]
         ) as consumer:
-
             current: list[int] = []
 
             def handle(ctx: Any, delivery: Any) -> None:
