@@ -517,14 +517,6 @@ class TransactionManager:
                     flush()
                 except Exception as exc:  # their decisions stay; recovery ends them later
                     log.warning("flushing the commits of %s failed: %r", resource.name, exc)
-            release = getattr(resource, "release_idle", None)  # connections kept between branches
-            if release is not None:
-                try:
-                    release()
-                except Exception as exc:
-                    log.warning(
-                        "releasing the idle connections of %s failed: %r", resource.name, exc
-                    )
         self.log.close()
 
     def __enter__(self) -> TransactionManager:

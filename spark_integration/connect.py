@@ -108,10 +108,8 @@ def _open(target: Target, stack: ExitStack) -> Resource[Any]:
         # hold_prepared=0: phase two of a target branch never runs where it was prepared (an
         # executor prepares, the driver commits on a connection of its own), so the connection
         # goes back to the pool at once; a held one stays checked out until the garbage
-        # collector finds the branch (64 partitions ran PostgreSQL out of connections);
-        # keep_idle=0 likewise: a resource lives for one task, and the pool (`pools`) is what
-        # keeps connections between tasks
-        return PostgresResource(POOLS.engine(target.url), target.name, hold_prepared=0, keep_idle=0)
+        # collector finds the branch (64 partitions ran PostgreSQL out of connections)
+        return PostgresResource(POOLS.engine(target.url), target.name, hold_prepared=0)
     if isinstance(target, RedisTarget):
         return RedisResource(
             POOLS.redis(target.url),
@@ -132,7 +130,7 @@ def open_targets(config: WriteConfig) -> Iterator[Opened]:
         resources = {t.name: _open(t, stack) for t in config.targets}
         log_engine = POOLS.engine(config.log.url)
         ledger = Ledger(log_engine, config.log.table_prefix)
-        ledger_resource = PostgresResource(log_engine, config.log.ledger_name, keep_idle=0)
+        ledger_resource = PostgresResource(log_engine, config.log.ledger_name)
         opened = Opened(config, resources, log_engine, ledger, ledger_resource)
         stack.enter_context(opened._stack)
         yield opened

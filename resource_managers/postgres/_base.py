@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from sqlalchemy.engine import Engine
 
@@ -15,12 +14,11 @@ from coordinator import ProgrammingError, TransactionRolledBack, TransientError,
 from resource_managers.bookkeeping import Branches
 
 from . import _errors
-from ._branch import IDLE, INERROR, INTRANS, Branch, BranchConnection
+from ._branch import IDLE, INERROR, INTRANS, Branch
 from ._driver import Driver
 from ._pooled import Pooled
 from ._server import ServerFacts, Tables, look_up
 from ._sessions import BRANCH
-from ._spares import Spares
 
 log = logging.getLogger("twopc.postgres")
 
@@ -61,7 +59,6 @@ class PostgresBase(Branches[Branch]):
     _busy_delay: float
     #: prepared branches keeping their connection for phase two, oldest first
     _held: dict[Xid, Branch]
-    _spares: Spares  # idle connections kept for the next branch
     _facts: ServerFacts | None
     _pool: Pooled
     _last_purge: float
@@ -160,43 +157,19 @@ class PostgresBase(Branches[Branch]):
         self._release(branch, broken=broken)
 
     def _release(self, branch: Branch, *, broken: bool) -> None:
-        """Close the branch's handles; keep its connection for the next branch if it is idle and
-        healthy (`_spares`), else give it back to the pool (or drop it, and the kept ones with
-        it: a connection that broke says little good of its siblings)."""
-        if branch.session is not None:
-            try:
+        """Close the branch's handles and give its connection back to the pool (or drop it)."""
+        try:
+            if branch.session is not None:
                 branch.session.info.pop(BRANCH, None)
                 branch.session.close()
-            except Exception as exc:
-                log.debug("%s: closing the session of %s: %r", self._name, branch.gid, exc)
-        try:
             self._driver.detach(branch.dbapi)
-            healthy = not broken and self._idle_and_healthy(branch.dbapi)
-            if healthy and self._spares.keep(branch.pooled, branch.connection):
-                return
             if broken:
                 (branch.connection or branch.pooled).invalidate()
-                self._spares.release()
+            else:
+                self._driver.autocommit(branch.dbapi, False)
+            if branch.connection is not None:
+                branch.connection.end_of_branch()
+            else:
+                branch.pooled.close()
         except Exception as exc:
             log.debug("%s: releasing the connection of %s: %r", self._name, branch.gid, exc)
-        self._give_back(branch.pooled, branch.connection)
-
-    def _idle_and_healthy(self, dbapi: Any) -> bool:
-        """Open, and outside any transaction on the server (read without a round trip)."""
-        return not getattr(dbapi, "closed", True) and self._driver.status(dbapi) == IDLE
-
-    def _give_back(self, pooled: Any, connection: BranchConnection | None) -> None:
-        """A connection back to the pool, out of autocommit mode as the pool lent it (an
-        invalidated one is simply closed)."""
-        try:
-            if pooled.dbapi_connection is not None:
-                self._driver.autocommit(pooled.dbapi_connection, False)
-        except Exception as exc:
-            log.debug("%s: switching a connection back from autocommit: %r", self._name, exc)
-        try:
-            if connection is not None:
-                connection.end_of_branch()
-            else:
-                pooled.close()
-        except Exception as exc:
-            log.debug("%s: giving a connection back to the pool: %r", self._name, exc)

@@ -77,13 +77,3 @@ class BranchConnection(Connection):
 
     def end_of_branch(self) -> None:
         super().close()
-
-    def retire(self) -> None:
-        """Close this handle but not its pooled connection, which the resource keeps for the
-        next branch (`_spares`): a handle (or a `Session` on it) used after its branch ended
-        raises `ResourceClosedError`, where it would otherwise run, in autocommit mode, on
-        whatever branch has the connection by then. The transaction object is closed first; its
-        rollback is nothing on a server that is idle."""
-        if self._transaction:
-            self._transaction.close()
-        self._dbapi_connection = None  # SQLAlchemy's "closed" (it cannot revalidate)

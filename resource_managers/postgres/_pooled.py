@@ -24,24 +24,16 @@ class ConnectionLost(TransientError):
 class Pooled:
     """Statements of one resource on its engine's pool, in autocommit mode."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        driver: Driver,
-        name: str,
-        before_checkout: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, engine: Engine, driver: Driver, name: str) -> None:
         self.engine = engine
         self._driver = driver
         self._name = name
-        self._before_checkout = before_checkout  # the resource's kept connections make room
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[Any]:
         """A pooled DBAPI connection in autocommit mode; one that lost its server is not given
         back. Raw, not a SQLAlchemy `Connection`: recovery needs one statement, not a facade."""
         try:
-            self._before_checkout()
             raw = self.engine.raw_connection()
             self._driver.autocommit(raw.dbapi_connection, True)
         except Exception as exc:

@@ -63,7 +63,7 @@ from coordinator import ConfigurationError, Transaction, TransientError, Xid
 from resource_managers.bookkeeping import Branches
 
 from . import _drivers, _errors
-from ._base import BranchFailed, NotPreparable, log
+from ._base import BranchFailed, NotPreparable
 from ._branch import Branch, BranchConnection
 from ._last_resource import LastResourceOps
 from ._phases import PhaseOps
@@ -71,7 +71,6 @@ from ._pooled import Pooled
 from ._recovery import RecoveryOps
 from ._server import ServerFacts
 from ._sessions import BRANCH, default_session, watch
-from ._spares import DEFAULT_KEEP_IDLE, DEFAULT_KEEP_IDLE_SECONDS, Spares
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -101,8 +100,6 @@ class _Options(TypedDict, total=False):
     busy_delay: float
     last_resource: bool
     decision_table: str
-    keep_idle: int
-    keep_idle_seconds: float
 
 
 class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
@@ -121,9 +118,6 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
     then taken as committed). ``last_resource=True``: a logging last resource (see the module
     docstring); its decision rows live in ``decision_table``, abort fences are kept for
     ``marker_retention``. Such a database needs no ``max_prepared_transactions``.
-    ``keep_idle`` connections that ended a branch idle are kept (in autocommit mode) for the
-    next branch, each for ``keep_idle_seconds`` at most, while the pool has room for others
-    (`._spares` says why and what it skips); ``keep_idle=0`` checks every one in at once.
     """
 
     @overload
@@ -173,16 +167,8 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         busy_delay: float = 0.05,
         last_resource: bool = False,
         decision_table: str = "twopc_decision_row",
-        keep_idle: int = DEFAULT_KEEP_IDLE,
-        keep_idle_seconds: float = DEFAULT_KEEP_IDLE_SECONDS,
     ) -> None:
         self._driver = _drivers.for_engine(engine)
-        if isinstance(keep_idle, bool) or not isinstance(keep_idle, int) or keep_idle < 0:
-            raise ConfigurationError(f"keep_idle must be an int >= 0, not {keep_idle!r}")
-        if not keep_idle_seconds > 0:
-            raise ConfigurationError(
-                f"keep_idle_seconds must be > 0 seconds, not {keep_idle_seconds!r}"
-            )
         if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
             raise ConfigurationError(f"isolation_level must be one of {_ISOLATION_LEVELS}")
         if handle not in _HANDLES:
@@ -210,10 +196,7 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         self._held: dict[Xid, Branch] = {}
         self._wanted = threading.local()  # the handle `connection`/`dbapi_connection` asked for
         self._facts: ServerFacts | None = None
-        self._spares = Spares(
-            engine, keep_idle, keep_idle_seconds, lambda pooled: self._give_back(pooled, None)
-        )
-        self._pool = Pooled(engine, self._driver, self._name, self._spares.make_room)
+        self._pool = Pooled(engine, self._driver, self._name)
         self._last_purge = 0.0
         self._last = last_resource
         self._decision_name = decision_table
@@ -279,17 +262,6 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
     def _open(self, xid: Xid) -> Branch:
         """A pooled connection, in autocommit mode, whose cursors report to the new branch. No
         round trip: the BEGIN waits for the first statement (the module docstring says why)."""
-        kept = self._spares.take()
-        if kept is not None:  # idle since an earlier branch, in autocommit mode
-            branch = Branch(xid, xid.to_gid(), kept, kept.dbapi_connection, self._begin_sql)
-            try:
-                self._driver.autocommit(branch.dbapi, True)  # unless a branch switched it off
-                self._driver.attach(branch.dbapi, branch)
-            except Exception as exc:
-                log.debug("%s: a kept connection could not be reused: %r", self._name, exc)
-                self._release(branch, broken=True)
-            else:
-                return branch
         try:
             pooled = self.engine.raw_connection()
         except Exception as exc:
@@ -308,11 +280,6 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
                 f"{self._name}: cannot open a branch: {_errors.describe(exc)}"
             ) from exc
         return branch
-
-    def release_idle(self) -> None:
-        """Give every idle connection kept for the next branch back to the pool (`_spares`);
-        `TransactionManager.close` calls it. Branches in flight keep theirs."""
-        self._spares.release()
 
     def _handle_of(self, branch: Branch, kind: Handle) -> Any:
         if kind == "dbapi":

@@ -208,8 +208,6 @@ def test_closing_the_core_handle_keeps_the_connection_with_the_branch(
         )
         move(tx.join(bank.b), "t1", 1, 10)
     assert bank.totals() == (3990, 4010)
-    assert pool.checkedout() == 1  # type: ignore[attr-defined]  # kept idle for the next branch
-    bank.a.release_idle()
     assert pool.checkedout() == 0  # type: ignore[attr-defined]
 
 
@@ -275,7 +273,6 @@ def test_a_branch_that_ran_nothing_sends_nothing(bank: Bank, managers: list) -> 
     bank.a.start(xid)
     assert bank.a.prepare(xid) is Vote.READ_ONLY
     assert statements == []
-    bank.a.release_idle()  # the branch ended idle: its connection was kept for the next one
     assert bank.engines[0].pool.checkedout() == 0  # type: ignore[attr-defined]
 
 
@@ -421,9 +418,8 @@ def test_two_nodes_on_one_database_never_touch_each_others_branches(
 def test_a_branch_keeps_one_connection_from_its_work_through_phase_two(
     bank: Bank, managers: list
 ) -> None:
-    """One checkout per branch: phase two runs on the connection that prepared, which is then
-    kept idle for the next branch (`release_idle` gives it back), so a second transaction checks
-    nothing out."""
+    """One checkout per branch: phase two runs on the connection that prepared, which then goes
+    back to the pool."""
     seen: list[tuple[int, int]] = []
     pools = [e.pool for e in bank.engines]
 
@@ -438,17 +434,10 @@ def test_a_branch_keeps_one_connection_from_its_work_through_phase_two(
     with tm.transaction() as tx:
         move(tx.join(bank.a), "t1", 1, -1)
         move(tx.join(b), "t1", 1, 1)
-    assert seen == [(1, 1)]  # a committed and keeps its connection idle; b still holds its own
+    assert seen == [(0, 1)]  # a committed and gave its connection back; b still holds its own
     assert len(checkouts) == 2
-    with tm.transaction() as tx:
-        move(tx.join(bank.a), "t2", 1, -1)
-        move(tx.join(b), "t2", 1, 1)
-    assert len(checkouts) == 2  # both branches ran on the connections kept from the first
-    assert [p.checkedout() for p in pools] == [1, 1]  # type: ignore[attr-defined]
-    bank.a.release_idle()
-    bank.b.release_idle()
     assert [p.checkedout() for p in pools] == [0, 0]  # type: ignore[attr-defined]
-    assert bank.totals() == (3998, 4002)
+    assert bank.totals() == (3999, 4001)
 
 
 def test_a_prepared_branch_holds_its_connection_no_longer_than_hold_prepared(
@@ -457,7 +446,7 @@ def test_a_prepared_branch_holds_its_connection_no_longer_than_hold_prepared(
     """A phase two that does not come (the coordinator died, or waits on its log) must not keep
     connections out of the pool: past ``hold_prepared`` the next branch gives them back, and
     phase two or recovery uses a pooled connection."""
-    a = PostgresResource(bank.engines[0], "a", hold_prepared=0.2, keep_idle=0)
+    a = PostgresResource(bank.engines[0], "a", hold_prepared=0.2)
     xid = Xid.branch_of("node-x:1", "a")
     move(a.start(xid), "t1", 1, -1)
     assert a.prepare(xid) is Vote.COMMIT
