@@ -11,7 +11,7 @@ from typing import Any
 from coordinator.crashpoints import crash_point
 from coordinator.errors import LogWriteError
 
-from ._base import BranchRolledBack, DestinationFullError, LogBase
+from ._base import BranchRolledBack, DestinationFullError, LogBase, log
 from ._partition import PARTITION_MARK, parse_stream, stream_for
 from ._records import VOLATILE_SUFFIX, Message, encode, message_obj, prepare_records
 from ._validation import check_message
@@ -260,7 +260,10 @@ class BranchOps(LogBase):
             self.version += 1
             self.changed.notify_all()
         for listener in self._listeners:
-            listener()
+            try:
+                listener()
+            except Exception:  # what it announces is published and durable all the same
+                log.exception("message log %s: a publish listener failed", self.directory)
 
     def rollback(self, gid: str) -> None:
         """Discard a branch and leave its tombstone (a lazy record: a crash loses nothing that

@@ -136,7 +136,7 @@ class ReaderOps(LogBase):
         For a reader that sleeps on something else (the transfer's pump sleeps in ``select`` on
         its socket): a listener that pokes it costs a ``send`` per publish, where a thread parked
         in `wait` to relay the news cost two thread switches, and its GIL, per commit. It must be
-        quick and must not raise (a commit waits for it)."""
+        quick (a commit waits for it); an exception it raises is logged, never the commit's."""
         with self._lock:
             self._listeners = (*self._listeners, listener)
 

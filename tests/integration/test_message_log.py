@@ -106,6 +106,34 @@ def test_atomicity_commit_publishes_in_commit_order(
     assert prepared_gids(engine) == [] and mlog.prepared_gids() == []
 
 
+def test_publish_listeners_hear_every_publish_and_cannot_fail_one(
+    mlog: MessageLog, managers: list[TransactionManager], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`on_publish`: called in the publishing thread once messages are visible; a listener that
+    raises is logged and the commit stands; the returned function stops the calls."""
+    heard: list[int] = []
+
+    def broken() -> None:
+        raise RuntimeError("a listener's own bug")
+
+    stop = mlog.on_publish(lambda: heard.append(len(mlog.pending("orders"))))
+    stop_broken = mlog.on_publish(broken)
+    mr = MessageLogResource(mlog)
+    tm = make_manager(managers, [mr])
+    for body in (b"a", b"b"):
+        with tm.transaction() as tx:
+            tx.join(mr).send("orders", body)
+    assert heard and heard[-1] == 2  # the last call saw both messages visible
+    assert "a publish listener failed" in caplog.text
+    stop()
+    stop_broken()
+    calls = len(heard)
+    with tm.transaction() as tx:
+        tx.join(mr).send("orders", b"c")
+    assert len(heard) == calls
+    assert bodies(mlog, "orders") == [(1, b"a"), (2, b"b"), (3, b"c")]
+
+
 def test_atomicity_rollback_never_publishes(
     engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager]
 ) -> None:
