@@ -133,9 +133,26 @@ def _check_fields(message: Message) -> int:
     return size
 
 
+#: destinations `_check_destination` accepted: a producer names a few of them, many times over,
+#: and a dict lookup costs less than the pattern and the suffix tests (emptied when full)
+_ACCEPTED: dict[str, None] = {}
+_ACCEPTED_MAX = 4096
+
+
 def _check_destination(destination: object) -> str:
     """A destination a producer may name: valid, not a dead-letter queue, not a subscription's
     queue (nor a topic without a name)."""
+    if type(destination) is str and destination in _ACCEPTED:
+        return destination
+    destination = _refuse_bad_destination(destination)
+    if type(destination) is str:
+        if len(_ACCEPTED) >= _ACCEPTED_MAX:
+            _ACCEPTED.clear()
+        _ACCEPTED[destination] = None
+    return destination
+
+
+def _refuse_bad_destination(destination: object) -> str:
     destination = validate_destination(destination)
     if destination.endswith(DLQ_SUFFIX):
         raise InvalidMessageError(

@@ -89,3 +89,20 @@ def test_message_ids_are_uuid4_and_a_forked_child_does_not_repeat_its_parents() 
     os.close(read)
     os.close(write)
     assert child != new_id()
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"k": "v"}, {"é": "ü€", "id": "x" * 300, "twopc-priority": "7"}], ids=repr
+)
+def test_a_messages_size_is_its_body_and_headers_in_utf8(headers: dict[str, str]) -> None:
+    m = message(headers=headers)
+    expected = len(m.body) + sum(len(k.encode()) + len(v.encode()) for k, v in headers.items())
+    assert m.size == expected
+
+
+def test_an_accepted_destination_is_remembered_and_a_refused_one_never() -> None:
+    for _ in range(2):  # the second time from the memory of accepted ones
+        assert check_message(message(destination="orders.eu")).destination == "orders.eu"
+        for bad in ("orders.DLQ", "topic:prices/sub", "-bad", "x" * 201):
+            with pytest.raises(InvalidMessageError):
+                check_message(message(destination=bad))
