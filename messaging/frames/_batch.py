@@ -136,21 +136,19 @@ def runs(frames: Iterable[Frame | PackedMsg], max_frame: int) -> Iterable[Frame 
     run: list[bytes] = []
     size = 0
     for frame in frames:
-        if isinstance(frame, PackedMsg):
+        if isinstance(frame, PackedMsg):  # no Msg to fall back on: it must fit
             if len(frame) > budget:
                 raise _misuse(f"a packed message of {len(frame)} bytes exceeds the frame limit")
-            packed: bytes | None = frame
-        elif type(frame) is Msg:
-            packed = pack_msg(frame)
+            packed: bytes = frame
         else:
-            packed = None
-        if packed is None or len(packed) > budget:  # a MSG of its own (or the encoder's refusal)
-            assert not isinstance(frame, PackedMsg)  # refused above
-            if run:
-                yield run
-                run, size = [], 0
-            yield frame
-            continue
+            one = pack_msg(frame) if type(frame) is Msg else None
+            if one is None or len(one) > budget:  # a MSG of its own (or the encoder's refusal)
+                if run:
+                    yield run
+                    run, size = [], 0
+                yield frame
+                continue
+            packed = one
         if size + len(packed) > budget:
             yield run
             run, size = [], 0

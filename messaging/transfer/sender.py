@@ -51,7 +51,6 @@ from resource_managers.sequencing import AckVerdict, DoublingBackoff, Frame, Str
 from ..connection import Connection
 from ..frames import (
     BATCH_VERSION,
-    DEFAULT_MAX_FRAME,
     MSGS_OVERHEAD,
     ORIGIN_VERSION,
     Ack,
@@ -285,7 +284,7 @@ class LogTransfer:
         conn = self._conn
         if conn is None:
             return False
-        frames = self._wire(out, conn.version)
+        frames = self._wire(out, conn)
         if frames:
             conn.send_many(frames)
             self.stats["frames_sent"] += len(frames)
@@ -296,15 +295,15 @@ class LogTransfer:
             self._last_sent = now
         return more
 
-    def _wire(self, out: list[tuple[Frame, str]], version: int) -> list[Msg | PackedMsg]:
+    def _wire(self, out: list[tuple[Frame, str]], conn: Connection) -> list[Msg | PackedMsg]:
         """The frames to send, packed already where the connection reads MSGS (`pack_wire`)."""
         by_stream: dict[str, list[Frame]] = {}
         for frame, name in out:
             by_stream.setdefault(name, []).append(frame)
         frames: list[Msg | PackedMsg] = []
         wire: Callable[[Frame, Message], Msg | PackedMsg] = to_wire
-        if version >= BATCH_VERSION:
-            wire = functools.partial(pack_wire, limit=self._conn_budget())
+        if conn.version >= BATCH_VERSION:
+            wire = functools.partial(pack_wire, limit=conn.max_frame - MSGS_OVERHEAD)
         for name, group in by_stream.items():
             messages = self.mlog.get(name, [f.seq for f in group])
             for f in group:
@@ -317,11 +316,6 @@ class LogTransfer:
                             seq=str(f.seq),
                         )  # fmt: skip
         return frames
-
-    def _conn_budget(self) -> int:
-        """The most a packed message may take in a MSGS frame on this connection."""
-        conn = self._conn
-        return (conn.max_frame if conn is not None else DEFAULT_MAX_FRAME) - MSGS_OVERHEAD
 
     def _sync(self) -> None:
         """Adopt what the log committed since the last look; a stream whose epoch changed (its
