@@ -34,6 +34,7 @@ from coordinator import (
 from coordinator.decision_log import Decision
 from resource_managers.postgres import PostgresResource
 from resource_managers.redis import BranchConflict, BranchFailed, RedisBranch, RedisResource
+from resource_managers.redis._writeset import Op, pack
 from tests.support.flaky_resource import FlakyResource
 from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, total
@@ -299,6 +300,55 @@ def test_a_blind_mset_buffers_what_one_set_per_key_would(client: redis.Redis) ->
     with pytest.raises(ProgrammingError):
         blind.start(xid(3)).mset({"c": True})  # checked before anything is buffered
     blind.rollback(xid(3))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 999, 1000, 1001, 2500])
+@pytest.mark.parametrize("path", ["two-phase", "one-phase"])
+def test_a_write_set_of_plain_sets_lands_every_last_value(
+    client: redis.Redis, count: int, path: str
+) -> None:
+    """A write set of nothing but ``SET key value`` (a Spark partition's) skips the simulation
+    and the op tables in the scripts and is applied as MSETs of 1,000 pairs: every key ends
+    with its last value whatever type it held, across the 8-field decode and the MSET chunk
+    boundaries. Two-phase: committed by another resource, which reads the staged keys back."""
+    blind = RedisResource(client, "cache", blind_writes=True)
+    client.hset("k0", "f", "a hash a SET replaces")
+    client.rpush("k1", "a list a SET replaces")
+    distinct = max(1, count * 2 // 3)  # a third of the keys are written twice
+    b = blind.start(xid(1))
+    expected: dict[bytes, bytes] = {}
+    for i in range(count):
+        key, value = f"k{i % distinct}", f"v{i}" + "x" * (i % 7)
+        b.set(key, value)
+        expected[key.encode()] = value.encode()
+    if path == "one-phase":
+        assert blind.commit(xid(1), one_phase=True) is None
+    else:
+        assert blind.prepare(xid(1)) == Vote.COMMIT
+        assert RedisResource(client, "cache").commit(xid(1)) is None
+    keys = list(expected)
+    assert dict(zip(keys, client.mget(keys), strict=True)) == expected
+
+
+def test_one_op_that_is_not_a_plain_set_validates_the_whole_set(client: redis.Redis) -> None:
+    """The fast path takes plain SETs only: a single SET NX among them sends the set through
+    the simulation, which still catches what would fail and still honours NX."""
+    blind = RedisResource(client, "cache", blind_writes=True)
+    client.set("taken", "old")
+    b = blind.start(xid(1))
+    b.mset({f"k{i}": i for i in range(50)})
+    b.set("taken", "new", nx=True)
+    b.mset({"last": "x"})
+    assert blind.prepare(xid(1)) == Vote.COMMIT
+    assert RedisResource(client, "cache").commit(xid(1)) is None
+    assert (client.get("taken"), client.get("k49"), client.get("last")) == (b"old", b"49", b"x")
+    b = blind.start(xid(2))
+    b.mset({f"k{i}": i for i in range(50)})
+    b.incrby("last", 1)  # not a number: found by the simulation, nothing written
+    with pytest.raises(BranchFailed, match="not an integer"):
+        blind.prepare(xid(2))
+    blind.rollback(xid(2))
+    assert client.get("k0") == b"0"
 
 
 def test_a_wrong_write_is_refused_at_the_call_when_the_server_shows_it(
@@ -649,7 +699,10 @@ def test_a_malformed_packed_write_set_is_refused_before_any_write(
     keys = [cache._tx(gid), cache._ws(gid), cache._prepared, *cache._locks([b"k"]), b"k"]
     head: list[Any] = [gid, cache.prefix, 1, 0]
     good = b"\x03\x00\x00\x00SET\x01\x00\x00\x00k\x01\x00\x00\x001\x01\x00\x00\x00v"
-    for packed in [good[:-1], good[:2], [good, b"extra"]]:
+    ops = [Op("SET", b"k", (b"v",)), Op("SET", b"k", (b"w",)), Op("DEL", b"k")]
+    three, whole = pack(ops), {len(pack(ops[:1])), len(pack(ops[:2]))}  # cut there: valid
+    cuts = [three[:end] for end in range(1, len(three)) if end not in whole]
+    for packed in [good[:-1], good[:2], [good, b"extra"], *cuts]:
         args = [*head, *packed] if isinstance(packed, list) else [*head, packed]
         reply = cache._scripts.run("prepare", keys, args)
         assert reply[0] == b"BAD", reply

@@ -14,9 +14,14 @@ if check_layout(3, n, prefix) then return {'KEYS'} end
 for i = 1, n do
   if KEYS[3 + n + i] ~= ws[2 + i] then return {'KEYS'} end
 end
-local ops, err = parse(ws, first, #ws, key_set(3 + n, n))
-if not ops then return {'LOST', err} end
-local index, key, message = validate(ops)
+local allowed = key_set(3 + n, n)
+local sets, count = plain_sets(ws, first, #ws, allowed)
+local ops, err, index, key, message
+if not sets then
+  ops, err = parse(ws, first, #ws, allowed)
+  if not ops then return {'LOST', err} end
+  index, key, message = validate(ops)
+end
 local now = now_ms()
 release(3, n, gid)
 redis.call('DEL', KEYS[2])
@@ -25,7 +30,7 @@ if index then
   redis.call('HSET', KEYS[1], 'state', 'aborted', 'ts', now, 'reason',
     'commit found ' .. key .. ': ' .. message)
 else
-  apply(ops)
+  if sets then mset_pairs(sets, count) else apply(ops) end
   redis.call('HSET', KEYS[1], 'state', 'committed', 'ts', now)
 end
 redis.call('EXPIRE', KEYS[1], ttl)

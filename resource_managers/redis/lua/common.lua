@@ -135,8 +135,25 @@ end
 
 -- the write set as prepare and one-phase receive it, one argument (see _writeset.pack): each
 -- field a 4-byte little-endian length, then its bytes. The flat array, or nil if malformed
-local function unpack_fields(blob)
-  local out, count, pos, size = {}, 0, 1, #blob
+-- Eight fields per struct.unpack while eight remain (half the time of one per call, measured
+-- on a 250,000-key write set): the first call that finds fewer raises before it assigns
+-- anything, and the rest are read one at a time, where a malformed blob raises for good.
+-- (written out: a function library may not call string.rep while it loads)
+local EIGHT = '<I4c0I4c0I4c0I4c0I4c0I4c0I4c0I4c0'
+
+local function unpack_eights(blob, out, state)
+  local count, pos, unpack_ = state[1], state[2], struct.unpack
+  while true do
+    local f1, f2, f3, f4, f5, f6, f7, f8, nxt = unpack_(EIGHT, blob, pos)
+    out[count + 1], out[count + 2], out[count + 3], out[count + 4] = f1, f2, f3, f4
+    out[count + 5], out[count + 6], out[count + 7], out[count + 8] = f5, f6, f7, f8
+    count, pos = count + 8, nxt
+    state[1], state[2] = count, pos
+  end
+end
+
+local function unpack_fields(blob, out, state)
+  local count, pos, size = state[1], state[2], #blob
   while pos <= size do
     count = count + 1
     out[count], pos = struct.unpack('<I4c0', blob, pos)
@@ -145,9 +162,34 @@ local function unpack_fields(blob)
 end
 
 local function decode(blob)
-  local ok, fields = pcall(unpack_fields, blob)
+  local out, state = {}, {0, 1}
+  pcall(unpack_eights, blob, out, state) -- always ends by raising, at the last eight or before
+  local ok, fields = pcall(unpack_fields, blob, out, state)
   if ok then return fields end
   return nil
+end
+
+-- A write set of nothing but plain SETs (SET key value: a command that cannot fail, whatever
+-- the key holds), every key in allowed: its (key, value) pairs and their count, else nil. Such
+-- a set needs no simulation and no op tables (the two were most of a 250,000-key Spark
+-- partition's prepare and commit, measured); anything else goes through parse and validate.
+local function plain_sets(src, from, to, allowed)
+  local out, count = {}, 0
+  if (to - from + 1) % 4 ~= 0 then return nil end
+  for i = from, to, 4 do
+    local key = src[i + 1]
+    if src[i] ~= 'SET' or src[i + 2] ~= '1' or not allowed[key] then return nil end
+    out[count + 1], out[count + 2], count = key, src[i + 3], count + 2
+  end
+  return out, count
+end
+
+-- the pairs plain_sets found, applied as one MSET per CHUNK pairs (a later value of a key
+-- wins, as it would one SET at a time)
+local function mset_pairs(flat, count)
+  for i = 1, count, 2 * CHUNK do
+    redis.call('MSET', unpack(flat, i, math.min(i + 2 * CHUNK - 1, count)))
+  end
 end
 
 local function parse(src, from, to, allowed)

@@ -18,11 +18,17 @@ if locked then return {'LOCKED', locked, owner} end
 local packed = 6 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
-local ops, err = parse(src, 1, #src, key_set(1 + n, n))
-if not ops then return {'BAD', err} end
-local index, key, message = validate(ops)
-if index then return {'INVALID', key, message} end
-apply(ops)
+local allowed = key_set(1 + n, n)
+local sets, count = plain_sets(src, 1, #src, allowed)
+if sets then
+  mset_pairs(sets, count)
+else
+  local ops, err = parse(src, 1, #src, allowed)
+  if not ops then return {'BAD', err} end
+  local index, key, message = validate(ops)
+  if index then return {'INVALID', key, message} end
+  apply(ops)
+end
 redis.call('HSET', KEYS[1], 'state', 'committed')
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 return {'OK'}

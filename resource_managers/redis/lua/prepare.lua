@@ -17,10 +17,13 @@ if locked then return {'LOCKED', locked, owner} end
 local packed = 5 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
-local ops, err = parse(src, 1, #src, key_set(3 + n, n))
-if not ops then return {'BAD', err} end
-local index, key, message = validate(ops)
-if index then return {'INVALID', key, message} end
+local allowed = key_set(3 + n, n)
+if not plain_sets(src, 1, #src, allowed) then
+  local ops, err = parse(src, 1, #src, allowed)
+  if not ops then return {'BAD', err} end
+  local index, key, message = validate(ops)
+  if index then return {'INVALID', key, message} end
+end
 -- every check passed: from here on, only writes that cannot fail
 lock_all(3, n, gid)
 redis.call('DEL', KEYS[2])
