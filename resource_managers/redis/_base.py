@@ -22,15 +22,14 @@ log = logging.getLogger("twopc.redis")
 
 MAGIC: Final = b"twopc-ws-1"
 ONE_PHASE_MARKER_TTL: Final = 600
-HEADER_GUESS: Final = 64  # staged keys read with the header in one LRANGE
 #: commit script replies that are a final answer; anything else is run again alone
 FINAL_REPLIES: Final = frozenset((b"OK", b"STATE", b"BROKEN", b"LOST"))
 
 
 class RedisBase(Branches[RedisBranch]):
     """What every part of `RedisResource` shares: its settings, one lock (`Branches`') over the
-    active branches (``_branches``) and the keys of those this process prepared (``_staged``), and
-    the plumbing (twopc's key names, running a script, translating errors, the durability check).
+    active branches (``_branches``), and the plumbing (twopc's key names, running a script,
+    translating errors, the durability check).
     ``RedisResource.__init__`` sets every attribute; the reads (`._reads`), the phases
     (`._prepare`, `._commit`) and recovery (`._recovery`) are mixins of this class."""
 
@@ -46,7 +45,6 @@ class RedisBase(Branches[RedisBranch]):
     blind_writes: bool
     _scripts: Scripts
     _encoder: Any
-    _staged: dict[Xid, list[bytes]]  # keys of branches this process prepared
     _durability_checked: bool
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -73,22 +71,6 @@ class RedisBase(Branches[RedisBranch]):
             if reason:
                 return bytes(reason).decode("utf-8", "replace")
         return "rolled back by recovery or an operator"
-
-    def _staged_keys(self, gid: str) -> list[bytes]:
-        """The keys a prepared branch locked, from its staged list's header."""
-        key = self._ws(gid)
-        with self._errors("reading a staged write set"):
-            head = self.client.execute_command(
-                "LRANGE", key, 0, HEADER_GUESS - 1, **{NEVER_DECODE: []}
-            )
-            if len(head) < 2 or head[0] != MAGIC:
-                return []
-            count = int(head[1])
-            if count + 2 > len(head):
-                head = self.client.execute_command(
-                    "LRANGE", key, 0, count + 1, **{NEVER_DECODE: []}
-                )
-        return [bytes(k) for k in head[2 : 2 + count]]
 
     def _end(self, branch: RedisBranch) -> None:
         branch.phase = ENDED

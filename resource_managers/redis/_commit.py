@@ -30,23 +30,16 @@ class CommitOps(PrepareOps):
             return self._commit_one_phase(self._branch(xid))
         with self._lock:
             stray = self._branches.get(xid)
-            keys = self._staged.pop(xid, None)
         if stray is not None:
             raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
         gid = xid.to_gid()
-        if keys is None:
-            keys = self._staged_keys(gid)
-        for _ in range(3):
-            reply = self._run("commit", *self._commit_call(gid, keys), "commit " + gid)
-            if reply[0] != b"KEYS":
-                return self._committed(gid, reply)
-            keys = self._staged_keys(gid)
-        raise TransientError(f"{self._name}: the staged keys of {gid} kept changing; will retry")
+        return self._committed(gid, self._run("commit", *self._commit_call(gid), "commit " + gid))
 
-    def _commit_call(self, gid: str, keys: list[bytes]) -> tuple[list[bytes], list[Any]]:
-        """The commit script's KEYS and ARGV for a branch that staged ``keys``."""
-        meta = [self._tx(gid), self._ws(gid), self._prepared]
-        return [*meta, *self._locks(keys), *keys], [gid, self.prefix, self.tombstone_ttl]
+    def _commit_call(self, gid: str) -> tuple[list[bytes], list[Any]]:
+        """The commit script's KEYS and ARGV: the branch's own keys only, whichever process
+        prepared it (the script takes the data and lock keys from the staged set)."""
+        keys = [self._tx(gid), self._ws(gid), self._prepared]
+        return keys, [gid, self.prefix, self.tombstone_ttl]
 
     def _committed(self, gid: str, reply: list[bytes]) -> Outcome | None:
         """What a commit script's reply (not ``KEYS``) says: None (applied now or before), or
@@ -67,40 +60,35 @@ class CommitOps(PrepareOps):
         as one pipeline of commit scripts (`coordinator.batch_commit`).
 
         Each script is the one ``commit`` runs, and each reply is judged as ``commit`` judges it.
-        A call whose answer is not final (the staged keys changed, the server lost the scripts,
-        an error reply, a connection lost before its reply) is run again alone through
-        ``commit``, whose answer (or exception: left to recovery) stands: a pipeline that fails
-        part-way ends exactly as the individual commits would have."""
+        A call whose answer is not final (the server lost the scripts, an error reply, a
+        connection lost before its reply) is run again alone through ``commit``, whose answer
+        (or exception: left to recovery) stands: a pipeline that fails part-way ends exactly as
+        the individual commits would have."""
         peers = [(_peer(self, resource), xid) for resource, xid in branches]
-        plans: list[tuple[CommitOps, Xid, str, list[bytes]]] = []
+        plans: list[tuple[CommitOps, Xid, str]] = []
         for peer, xid in peers:
-            with peer._lock:  # a branch not prepared by this process: ``commit`` says why
-                keys = None if xid in peer._branches else peer._staged.pop(xid, None)
-            plans.append((peer, xid, "", []) if keys is None else (peer, xid, xid.to_gid(), keys))
-        sent = [(peer, gid, keys) for peer, _, gid, keys in plans if gid]
-        calls = [("commit", *peer._commit_call(gid, keys)) for peer, gid, keys in sent]
+            with peer._lock:  # a branch still active here: ``commit`` says why
+                active = xid in peer._branches
+            plans.append((peer, xid, "" if active else xid.to_gid()))
+        sent = [(peer, gid) for peer, _, gid in plans if gid]
+        calls = [("commit", *peer._commit_call(gid)) for peer, gid in sent]
 
         def after_send() -> None:
-            for peer, _, _ in sent:
+            for peer, _ in sent:
                 crash_point(f"redis.{peer.name}.after_batch_send")
 
         try:
             replies = iter(self._scripts.pipelined(calls, after_send) if calls else [])
         except Exception as exc:  # the library could not be loaded: each one alone
             replies = iter([exc] * len(calls))
-        return [self._batch_answer(peer, xid, gid, keys, replies) for peer, xid, gid, keys in plans]
+        return [self._batch_answer(peer, xid, gid, replies) for peer, xid, gid in plans]
 
     @staticmethod
-    def _batch_answer(
-        peer: CommitOps, xid: Xid, gid: str, keys: list[bytes], replies: Iterator[Any]
-    ) -> Answer:
+    def _batch_answer(peer: CommitOps, xid: Xid, gid: str, replies: Iterator[Any]) -> Answer:
         reply = next(replies) if gid else None
         if isinstance(reply, list) and reply and reply[0] in FINAL_REPLIES:
             return peer._committed(gid, reply)
-        if gid:  # run it alone, from the keys it staged
-            with peer._lock:
-                peer._staged[xid] = keys
-        try:
+        try:  # run it alone
             return peer.commit(xid)
         except Exception as exc:
             return exc
@@ -175,26 +163,20 @@ class CommitOps(PrepareOps):
     def rollback(self, xid: Xid) -> Outcome | None:
         with self._lock:
             branch = self._branches.pop(xid, None)
-            keys = self._staged.pop(xid, None)
         if branch is not None:
             with branch.lock:
                 phase, branch.phase = branch.phase, ENDED
             if phase in (ACTIVE, FAILED):
                 return None  # nothing of it ever reached Redis
-            keys = branch.plan()[0]  # a prepare may be on its way: fence it with the tombstone
+            # a prepare may be on its way: the tombstone the script leaves fences it
         gid = xid.to_gid()
-        keys = keys or []
+        meta = [self._tx(gid), self._ws(gid), self._prepared]
         args: list[bytes | str | int] = [gid, self.prefix, self.tombstone_ttl]
-        for _ in range(3):
-            meta = [self._tx(gid), self._ws(gid), self._prepared]
-            reply = self._run("rollback", [*meta, *self._locks(keys)], args, "rollback " + gid)
-            if reply[0] == b"OK":
-                return None
-            if reply[0] == b"STATE":
-                log.error("%s: rollback of %s found it committed", self._name, gid)
-                return Outcome.HEURISTIC_COMMIT
-            keys = self._staged_keys(gid)
-        raise TransientError(f"{self._name}: the staged keys of {gid} kept changing; will retry")
+        reply = self._run("rollback", meta, args, "rollback " + gid)
+        if reply[0] == b"STATE":
+            log.error("%s: rollback of %s found it committed", self._name, gid)
+            return Outcome.HEURISTIC_COMMIT
+        return None
 
 
 def _peer(leader: CommitOps, resource: Resource[Any]) -> CommitOps:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final, Protocol
 
 import redis
@@ -49,6 +49,8 @@ class BranchHost(Protocol):
     blind_writes: bool
 
     def data_key(self, name: Any) -> bytes: ...
+
+    def data_keys(self, names: Iterable[Any]) -> list[bytes]: ...
 
     def decode(self, value: Any) -> Any: ...
 
@@ -158,7 +160,10 @@ class RedisBranch:
     def mset(self, mapping: Mapping[Any, Any]) -> bool:
         """One buffered SET per key, all applied by the same commit script (so as atomic as
         Redis's ``MSET``). Every key and value is checked before any is buffered."""
-        ops = [Op("SET", self._key(name), (ws.encode(value),)) for name, value in mapping.items()]
+        self.check_active()
+        keys = self._resource.data_keys(mapping)
+        values = [v.encode("utf-8") if type(v) is str else ws.encode(v) for v in mapping.values()]
+        ops = [Op("SET", key, (value,)) for key, value in zip(keys, values, strict=True)]
         if not ops:
             raise ProgrammingError("mset needs at least one key")
         if self._blind:  # nothing to read or answer: buffer them all at once, as `_write` would

@@ -149,7 +149,6 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
         self.blind_writes = blind_writes
         self._scripts = Scripts(client, self.cluster)
         self._encoder = client.get_encoder()
-        self._staged: dict[Xid, list[bytes]] = {}  # keys of branches this process prepared
         self._durability_checked = False
 
     def __repr__(self) -> str:

@@ -175,6 +175,10 @@ def test_bad_arguments_are_refused_at_the_call(redis_url: str) -> None:
         (lambda: branch.xadd("s", {"f": "v"}, id="5-*"), "partial ids"),
         (lambda: branch.hset("h"), "at least one"),
         (lambda: branch.set(b"twopc:{twopc}:lock:x", "v"), "twopc's own"),
+        (lambda: branch.mset({"fine": 1, "twopc:{twopc}:ws:x": "v"}), "twopc's own"),
+        (lambda: branch.mset({"fine": 1, 2.5j: "v"}), "invalid Redis key"),
+        (lambda: branch.mset({"fine": 1, "k": True}), "bool"),
+        (lambda: branch.mset({}), "at least one"),
     ]:
         with pytest.raises(ProgrammingError, match=match):
             call()

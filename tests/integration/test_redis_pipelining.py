@@ -165,10 +165,7 @@ def test_a_server_gone_leaves_every_branch_to_recovery(client: redis.Redis) -> N
     a, b = RedisResource(client, "a"), RedisResource(client, "b")
     xa, xb = prepared(a, 1, "ka"), prepared(b, 2, "kb")
     dead = redis.Redis(port=1, retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
-    da = RedisResource(dead, "a")
-    da._staged[xa] = a._staged.pop(xa)
-    db = RedisResource(dead, "b")
-    db._staged[xb] = b._staged.pop(xb)
+    da, db = RedisResource(dead, "a"), RedisResource(dead, "b")
     answers = da.commit_batch([(da, xa), (db, xb)])
     assert [type(x).__name__ for x in answers] == ["TransientError", "TransientError"]
     assert (a.recover(), b.recover()) == ([xa], [xb])

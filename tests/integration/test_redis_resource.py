@@ -882,6 +882,8 @@ def test_a_real_three_node_cluster(private_redis: Callable[..., Any]) -> None:
     b = cache.start(xid(1))
     with pytest.raises(ProgrammingError, match="one hash slot"):
         b.set("plain", 1)
+    with pytest.raises(ProgrammingError, match="one hash slot"):
+        b.mset({"{acct}:fine": 1, "plain": 1})
     assert b.incrby("{acct}:a", 5) == 5
     b.hset("{acct}:h", "f", AWKWARD[4])
     b.watch("{acct}:w")
@@ -894,6 +896,11 @@ def test_a_real_three_node_cluster(private_redis: Callable[..., Any]) -> None:
     cache.commit(xid(2), one_phase=True)
     assert client.get("{acct}:a") == b"5" and client.hget("{acct}:h", "f") == AWKWARD[4]
     assert client.smembers("{acct}:s") == {b"m"}
+    gone = cache.start(xid(3))  # its locks found from the staged set, on the slot's node
+    gone.set("{acct}:r", "never")
+    assert cache.prepare(xid(3)) == Vote.COMMIT
+    assert RedisResource(client, "cache", hash_tag="acct").rollback(xid(3)) is None
+    assert client.get("{acct}:r") is None
     assert cache.prepared_stats()[0] == 0
     assert [k for k in client.scan_iter(match="*:lock:*")] == []
     client.close()

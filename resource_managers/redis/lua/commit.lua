@@ -1,7 +1,8 @@
 -- commit: apply a prepared branch's staged write set, release its locks, leave a marker.
--- KEYS: 1 tx hash, 2 ws list, 3 prepared zset, 4 .. 3+n lock keys, 4+n .. 3+2n data keys
+-- KEYS: 1 tx hash, 2 ws list, 3 prepared zset; the data and lock keys are the staged header's
+--       (see the rules in common.lua)
 -- ARGV: 1 gid, 2 prefix, 3 tombstone ttl (s)
--- Reply: {'OK'} | {'STATE', state or ''} | {'KEYS'} (KEYS do not match the staged set)
+-- Reply: {'OK'} | {'STATE', state or ''}
 --        | {'BROKEN', key, message} (someone made the write set invalid; nothing written)
 --        | {'LOST', what} (the staged set is missing or malformed)
 local gid, prefix, ttl = ARGV[1], ARGV[2], ARGV[3]
@@ -10,11 +11,8 @@ if state ~= 'prepared' then return {'STATE', state or ''} end
 local ws = redis.call('LRANGE', KEYS[2], 0, -1)
 local n, first = header(ws)
 if n == nil then return {'LOST', 'the staged write set is missing or malformed'} end
-if check_layout(3, n, prefix) then return {'KEYS'} end
-for i = 1, n do
-  if KEYS[3 + n + i] ~= ws[2 + i] then return {'KEYS'} end
-end
-local allowed = key_set(3 + n, n)
+local keys = staged_keys(ws, n, prefix)
+local allowed = key_set(keys, n, n)
 local sets, count = plain_sets(ws, first, #ws, allowed)
 local ops, err, index, key, message
 if not sets then
@@ -23,7 +21,7 @@ if not sets then
   index, key, message = validate(ops)
 end
 local now = now_ms()
-release(3, n, gid)
+release(keys, 0, n, gid)
 redis.call('DEL', KEYS[2])
 if index then
   -- a writer outside twopc changed a key so that a command would fail half-way: apply nothing

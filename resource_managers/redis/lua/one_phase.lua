@@ -18,7 +18,7 @@ if locked then return {'LOCKED', locked, owner} end
 local packed = 6 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
-local allowed = key_set(1 + n, n)
+local allowed = key_set(KEYS, 1 + n, n)
 local sets, count = plain_sets(src, 1, #src, allowed)
 if sets then
   mset_pairs(sets, count)

@@ -17,7 +17,7 @@ if locked then return {'LOCKED', locked, owner} end
 local packed = 5 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
-local allowed = key_set(3 + n, n)
+local allowed = key_set(KEYS, 3 + n, n)
 if not plain_sets(src, 1, #src, allowed) then
   local ops, err = parse(src, 1, #src, allowed)
   if not ops then return {'BAD', err} end

@@ -1,7 +1,9 @@
 -- rollback: release a branch's locks, drop its staged set, leave the aborted tombstone.
--- KEYS: 1 tx hash, 2 ws list, 3 prepared zset, 4 .. 3+n lock keys
+-- KEYS: 1 tx hash, 2 ws list, 3 prepared zset; the lock keys are the staged header's (see the
+--       rules in common.lua; none when nothing was staged: a prepare still on its way then
+--       finds the tombstone and refuses)
 -- ARGV: 1 gid, 2 prefix, 3 tombstone ttl (s)
--- Reply: {'OK'} | {'STATE', 'committed'} | {'KEYS', n} (pass the n lock keys of the staged set)
+-- Reply: {'OK'} | {'STATE', 'committed'}
 local gid, prefix, ttl = ARGV[1], ARGV[2], ARGV[3]
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'committed' then return {'STATE', state} end
@@ -9,17 +11,16 @@ if state == 'aborted' then
   redis.call('ZREM', KEYS[3], gid)
   return {'OK'}
 end
-local n, keys = 0, {}
+local locks = {}
 local head = redis.call('LRANGE', KEYS[2], 0, 1)
 if head[1] == MAGIC then
-  n = tonumber(head[2]) or 0
-  if n > 0 then keys = redis.call('LRANGE', KEYS[2], 2, 1 + n) end
+  local n = tonumber(head[2]) or 0
+  if n > 0 then
+    local keys = redis.call('LRANGE', KEYS[2], 2, 1 + n)
+    for i = 1, #keys do locks[i] = prefix .. 'lock:' .. keys[i] end
+  end
 end
-if #KEYS ~= 3 + n then return {'KEYS', n} end
-for i = 1, n do
-  if KEYS[3 + i] ~= prefix .. 'lock:' .. keys[i] then return {'KEYS', n} end
-end
-release(3, n, gid)
+release(locks, 0, #locks, gid)
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[1], 'state', 'aborted', 'ts', now_ms())
 redis.call('EXPIRE', KEYS[1], ttl)
