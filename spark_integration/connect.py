@@ -103,6 +103,12 @@ def secret_of(target: MessageLogTarget) -> SharedSecret:
     )
 
 
+#: plain SETs a Redis branch's commit applies per script call: a partition's branch holds all its
+#: rows, and one call over 250,000 of them held the server for about a second; a step of this
+#: many takes some tens of milliseconds, so other clients of that Redis wait no longer than that
+REDIS_COMMIT_STEP = 20_000
+
+
 def _open(target: Target, stack: ExitStack) -> Resource[Any]:
     if isinstance(target, PostgresTarget):
         # hold_prepared=0: phase two of a target branch never runs where it was prepared (an
@@ -117,6 +123,7 @@ def _open(target: Target, stack: ExitStack) -> Resource[Any]:
             namespace=target.namespace,
             durability=target.durability,
             blind_writes=True,
+            commit_chunk=REDIS_COMMIT_STEP,
         )
     resource = RemoteMessageLog((target.host, target.port), secret_of(target), name=target.name)
     stack.callback(resource.close)

@@ -21,8 +21,11 @@ from .scripts import Scripts
 log = logging.getLogger("twopc.redis")
 
 MAGIC: Final = b"twopc-ws-1"
+HEADER_GUESS: Final = 64  # staged keys read with the header in one LRANGE
 ONE_PHASE_MARKER_TTL: Final = 600
 #: commit script replies that are a final answer; anything else is run again alone
+#: (``MORE``, a bounded step of a large commit, and ``KEYS``, declare the staged keys, are not:
+#: the rest runs alone)
 FINAL_REPLIES: Final = frozenset((b"OK", b"STATE", b"BROKEN", b"LOST"))
 
 
@@ -43,6 +46,7 @@ class RedisBase(Branches[RedisBranch]):
     lock_wait: float
     tombstone_ttl: int
     blind_writes: bool
+    commit_chunk: int | None
     _scripts: Scripts
     _encoder: Any
     _durability_checked: bool
@@ -71,6 +75,22 @@ class RedisBase(Branches[RedisBranch]):
             if reason:
                 return bytes(reason).decode("utf-8", "replace")
         return "rolled back by recovery or an operator"
+
+    def _staged_keys(self, gid: str) -> list[bytes]:
+        """The keys a prepared branch locked, from its staged list's header."""
+        key = self._ws(gid)
+        with self._errors("reading a staged write set"):
+            head = self.client.execute_command(
+                "LRANGE", key, 0, HEADER_GUESS - 1, **{NEVER_DECODE: []}
+            )
+            if len(head) < 2 or head[0] != MAGIC:
+                return []
+            count = int(head[1])
+            if count + 2 > len(head):
+                head = self.client.execute_command(
+                    "LRANGE", key, 0, count + 1, **{NEVER_DECODE: []}
+                )
+        return [bytes(k) for k in head[2 : 2 + count]]
 
     def _end(self, branch: RedisBranch) -> None:
         branch.phase = ENDED

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from redis import exceptions as rex
 from redis.client import NEVER_DECODE
 
 from coordinator import Outcome, OutcomeUnknownError, ProgrammingError, TransientError, Xid
@@ -33,13 +34,39 @@ class CommitOps(PrepareOps):
         if stray is not None:
             raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
         gid = xid.to_gid()
-        return self._committed(gid, self._run("commit", *self._commit_call(gid), "commit " + gid))
+        keys: list[bytes] | None = None
+        for _ in range(3):
+            reply = self._run_commit(gid, keys)
+            while reply[0] == b"MORE":  # a bounded step of a large branch (`commit_chunk`)
+                crash_point(f"redis.{self._name}.after_commit_step")
+                reply = self._run_commit(gid, keys)
+            if reply[0] != b"KEYS":
+                return self._committed(gid, reply)
+            keys = self._staged_keys(gid)  # not plain SETs: declared, as the prepare's were
+        raise TransientError(f"{self._name}: the staged keys of {gid} kept changing; will retry")
 
-    def _commit_call(self, gid: str) -> tuple[list[bytes], list[Any]]:
-        """The commit script's KEYS and ARGV: the branch's own keys only, whichever process
-        prepared it (the script takes the data and lock keys from the staged set)."""
-        keys = [self._tx(gid), self._ws(gid), self._prepared]
-        return keys, [gid, self.prefix, self.tombstone_ttl]
+    def _commit_call(
+        self, gid: str, keys: list[bytes] | None = None
+    ) -> tuple[list[bytes], list[Any]]:
+        """The commit script's KEYS and ARGV: the branch's own keys, and the staged keys when
+        given (a write set of plain SETs needs none: the script reads them)."""
+        meta = [self._tx(gid), self._ws(gid), self._prepared]
+        declared = meta if keys is None else [*meta, *self._locks(keys), *keys]
+        return declared, [gid, self.prefix, self.tombstone_ttl, self.commit_chunk or 0]
+
+    def _run_commit(self, gid: str, keys: list[bytes] | None) -> Any:
+        """One commit call. An error reply from inside the script (a key it did not declare
+        refused by an ACL, or on a cluster slot being moved) comes after the script's earlier
+        writes: the script orders them so that the next call goes on safely, and the branch is
+        left for that retry, never guessed."""
+        try:
+            return self._run("commit", *self._commit_call(gid, keys), "commit " + gid)
+        except rex.ResponseError as exc:
+            raise TransientError(
+                f"{self._name}: the commit of {gid} stopped part-way: {exc}. Nothing is lost: "
+                "the branch stays prepared (or committing) and the next commit goes on from "
+                "where it stopped"
+            ) from exc
 
     def _committed(self, gid: str, reply: list[bytes]) -> Outcome | None:
         """What a commit script's reply (not ``KEYS``) says: None (applied now or before), or
@@ -172,7 +199,21 @@ class CommitOps(PrepareOps):
         gid = xid.to_gid()
         meta = [self._tx(gid), self._ws(gid), self._prepared]
         args: list[bytes | str | int] = [gid, self.prefix, self.tombstone_ttl]
-        reply = self._run("rollback", meta, args, "rollback " + gid)
+        try:
+            reply = self._run("rollback", meta, args, "rollback " + gid)
+        except rex.ResponseError as exc:  # part-way, as a commit can (see `_run_commit`)
+            raise TransientError(
+                f"{self._name}: the rollback of {gid} stopped part-way: {exc}. The branch "
+                "stays prepared and the next rollback goes on"
+            ) from exc
+        if reply[0] == b"STATE" and reply[1] == b"committing":
+            log.error(
+                "%s: rollback of %s found its commit under way (part of it applied); nothing "
+                "is undone and a commit will finish it",
+                self._name,
+                gid,
+            )
+            return Outcome.HEURISTIC_MIXED
         if reply[0] == b"STATE":
             log.error("%s: rollback of %s found it committed", self._name, gid)
             return Outcome.HEURISTIC_COMMIT

@@ -159,7 +159,8 @@ class RedisBranch:
 
     def mset(self, mapping: Mapping[Any, Any]) -> bool:
         """One buffered SET per key, all applied by the same commit script (so as atomic as
-        Redis's ``MSET``). Every key and value is checked before any is buffered."""
+        Redis's ``MSET``, unless the resource commits large branches in steps: ``commit_chunk``).
+        Every key and value is checked before any is buffered."""
         self.check_active()
         keys = self._resource.data_keys(mapping)
         values = [v.encode("utf-8") if type(v) is str else ws.encode(v) for v in mapping.values()]
@@ -167,7 +168,6 @@ class RedisBranch:
         if not ops:
             raise ProgrammingError("mset needs at least one key")
         if self._blind:  # nothing to read or answer: buffer them all at once, as `_write` would
-            self.check_active()
             self.ops += ops
             by_key = self._by_key
             for op in ops:

@@ -25,7 +25,8 @@ Redis has no PREPARE, so a branch makes one out of Lua scripts, each atomic on t
 
 Keys: everything of twopc's lives under ``<namespace>:{<tag>}:`` (``tx:<gid>`` hash,
 ``ws:<gid>`` list, ``prepared`` zset, ``lock:<key>``). Keys and values are bytes end to end and
-reach Lua only through ``KEYS``/``ARGV``; every key a script touches is in ``KEYS``. On Redis
+reach Lua only through ``KEYS``/``ARGV``; every key a prepare touches is in ``KEYS`` (a commit of
+plain SETs and a rollback read theirs from the staged set, see ``lua/common.lua``). On Redis
 Cluster a branch lives in one hash slot: pass ``hash_tag`` and use keys containing ``{tag}``; a key
 of another slot is refused when the branch first touches it (a cluster-aware variant, one branch
 per slot, can come later).
@@ -103,7 +104,11 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
     ``lock_wait``: how long prepare waits for a key locked by another branch before voting no.
     ``tombstone_ttl``: how long the committed marker and the aborted tombstone are kept (longer
     than recovery can take to re-drive a decision). ``blind_writes=True``: buffered writes return
-    None instead of reading the server (see `RedisBranch`).
+    None instead of reading the server (see `RedisBranch`). ``commit_chunk``: a prepared branch
+    of more plain ``SET``s than this is committed in steps of at most this many SETs (then of
+    this many lock releases), one script call each, so phase two never holds the server for
+    long; readers outside twopc may then see part of the branch applied while it runs (None:
+    every branch in one call, all at once).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
         sort_key: str | None = None,
         blind_writes: bool = False,
         single_slot: bool | None = None,
+        commit_chunk: int | None = None,
     ) -> None:
         Branches.__init__(self, name, sort_key)
         for label, value in (("namespace", namespace), ("hash_tag", hash_tag)):
@@ -132,6 +138,12 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
             )
         if not lock_wait >= 0 or isinstance(tombstone_ttl, bool) or int(tombstone_ttl) < 1:
             raise ConfigurationError("lock_wait must be >= 0 and tombstone_ttl >= 1 second")
+        if commit_chunk is not None and (
+            isinstance(commit_chunk, bool) or not isinstance(commit_chunk, int) or commit_chunk < 1
+        ):
+            raise ConfigurationError(
+                f"commit_chunk must be a whole number >= 1, not {commit_chunk!r}"
+            )
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.single_slot = self.cluster if single_slot is None else single_slot
@@ -147,6 +159,7 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
         self.lock_wait = float(lock_wait)
         self.tombstone_ttl = int(tombstone_ttl)
         self.blind_writes = blind_writes
+        self.commit_chunk = commit_chunk
         self._scripts = Scripts(client, self.cluster)
         self._encoder = client.get_encoder()
         self._durability_checked = False

@@ -18,9 +18,11 @@ from typing import Any
 
 import pytest
 import redis
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from coordinator import (
+    ConfigurationError,
     FileDecisionLog,
     HeuristicError,
     Outcome,
@@ -310,7 +312,7 @@ def test_a_write_set_of_plain_sets_lands_every_last_value(
     """A write set of nothing but ``SET key value`` (a Spark partition's) skips the simulation
     and the op tables in the scripts and is applied as MSETs of 1,000 pairs: every key ends
     with its last value whatever type it held, across the 8-field decode and the MSET chunk
-    boundaries. Two-phase: committed by another resource, which reads the staged keys back."""
+    boundaries. Two-phase: committed by another resource, which knows nothing of the branch."""
     blind = RedisResource(client, "cache", blind_writes=True)
     client.hset("k0", "f", "a hash a SET replaces")
     client.rpush("k1", "a list a SET replaces")
@@ -328,6 +330,99 @@ def test_a_write_set_of_plain_sets_lands_every_last_value(
         assert RedisResource(client, "cache").commit(xid(1)) is None
     keys = list(expected)
     assert dict(zip(keys, client.mget(keys), strict=True)) == expected
+
+
+def _steps(seen: list[str], name: str = "cache") -> int:
+    return seen.count(f"redis.{name}.after_commit_step")
+
+
+@pytest.fixture
+def seen() -> Iterator[list[str]]:
+    points: list[str] = []
+    crashpoints.observe(points.append)
+    yield points
+    crashpoints._observers.remove(points.append)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 25, 26])
+def test_a_large_branch_commits_in_bounded_steps(
+    client: redis.Redis, seen: list[str], chunk: int
+) -> None:
+    """``commit_chunk``: more plain SETs than that are applied ``chunk`` at a time, then the
+    locks released ``chunk`` at a time, one call each; the end state is the one-call commit's."""
+    blind = RedisResource(client, "cache", blind_writes=True)
+    b = blind.start(xid(1))
+    expected: dict[bytes, bytes] = {}
+    for i in range(25):
+        key, value = f"k{i % 17}", f"v{i}"  # eight keys written twice: the later value wins
+        b.set(key, value)
+        expected[key.encode()] = value.encode()
+    assert blind.prepare(xid(1)) == Vote.COMMIT
+    driver = RedisResource(client, "cache", commit_chunk=chunk)
+    assert driver.commit(xid(1)) is None
+    keys = list(expected)
+    assert dict(zip(keys, client.mget(keys), strict=True)) == expected
+    steps = -(-25 // chunk) + -(-17 // chunk) - 2  # the last SETs' call releases locks too
+    assert _steps(seen) == steps
+    assert client.hget(driver._tx(xid(1).to_gid()), "state") == b"committed"
+    assert driver.commit(xid(1)) is None  # a repeat finds the marker
+
+
+def test_a_commit_interrupted_between_steps_is_finished_by_the_next_and_never_undone(
+    client: redis.Redis, seen: list[str]
+) -> None:
+    blind = RedisResource(client, "cache", blind_writes=True)
+    b = blind.start(xid(1))
+    b.mset({f"k{i}": f"v{i}" for i in range(10)})
+    assert blind.prepare(xid(1)) == Vote.COMMIT
+
+    def stop(point: str) -> None:
+        if point == "redis.cache.after_commit_step" and _steps(seen) == 2:
+            raise RuntimeError("the process dies here")
+
+    crashpoints.observe(stop)
+    try:
+        with pytest.raises(RuntimeError):
+            RedisResource(client, "cache", commit_chunk=3).commit(xid(1))
+    finally:
+        crashpoints._observers.remove(stop)
+    gid = xid(1).to_gid()
+    other = RedisResource(client, "cache")
+    assert client.hget(other._tx(gid), "state") == b"committing"
+    assert client.mget("k0", "k5", "k6") == [b"v0", b"v5", None]  # two steps of three applied
+    assert other.recover() == [xid(1)]
+    assert other.rollback(xid(1)) == Outcome.HEURISTIC_MIXED  # nothing undone, nothing lost
+    other.forget(xid(1))  # refused: the record stays until the commit is done
+    assert client.hget(other._tx(gid), "state") == b"committing"
+    assert other.commit(xid(1)) is None  # no bound here: the rest at once
+    assert client.mget([f"k{i}" for i in range(10)]) == [f"v{i}".encode() for i in range(10)]
+    assert other.recover() == []
+
+
+def test_a_bound_applies_only_to_plain_sets_prepared_by_this_version(
+    client: redis.Redis, seen: list[str]
+) -> None:
+    """Other commands are checked and applied in one call whatever the bound (the simulation
+    needs the whole set); so is a branch whose record does not say it is plain SETs (prepared
+    before the record said so)."""
+    blind = RedisResource(client, "cache", blind_writes=True)
+    b = blind.start(xid(1))
+    for i in range(6):
+        b.incrby(f"n{i}", i)
+    old = blind.start(xid(2))
+    old.mset({f"o{i}": i for i in range(6)})
+    assert blind.prepare(xid(1)) == Vote.COMMIT and blind.prepare(xid(2)) == Vote.COMMIT
+    client.hdel(blind._tx(xid(2).to_gid()), "plain")
+    driver = RedisResource(client, "cache", commit_chunk=2)
+    assert driver.commit(xid(1)) is None and driver.commit(xid(2)) is None
+    assert _steps(seen) == 0
+    assert client.mget("n5", "o5") == [b"5", b"5"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "10"])
+def test_a_commit_chunk_that_is_not_a_count_is_refused(client: redis.Redis, bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="commit_chunk"):
+        RedisResource(client, "cache", commit_chunk=bad)
 
 
 def test_one_op_that_is_not_a_plain_set_validates_the_whole_set(client: redis.Redis) -> None:
@@ -852,6 +947,74 @@ def test_kill9_after_prepare_then_recovery_commits_from_the_aof(
         engine.dispose()
 
 
+def test_a_committer_an_acl_refuses_a_key_stops_part_way_and_loses_nothing(
+    client: redis.Redis, redis_url: str
+) -> None:
+    """The commit of plain SETs reads its keys from the staged set, so an ACL that refuses the
+    committing user a data key stops it inside the script: before the SETs are known applied,
+    with every lock and the staged set kept; a committer with the rights then finishes it."""
+    blind = RedisResource(client, "cache", blind_writes=True)
+    blind.start(xid(1)).mset({f"k{i}": f"v{i}" for i in range(5)})
+    assert blind.prepare(xid(1)) == Vote.COMMIT
+    client.acl_setuser(
+        "committer", enabled=True, passwords=["+pw"], categories=["+@all"], keys=["twopc:*"]
+    )
+    try:
+        narrow = redis.Redis.from_url(redis_url, username="committer", password="pw")
+        with pytest.raises(TransientError, match="part-way"):
+            RedisResource(narrow, "cache").commit(xid(1))
+        narrow.close()
+    finally:
+        client.acl_deluser("committer")
+    gid = xid(1).to_gid()
+    assert client.hget(blind._tx(gid), "state") in (b"prepared", b"committing")
+    assert client.exists(blind._ws(gid), *blind._locks([b"k0", b"k4"])) == 3
+    assert RedisResource(client, "cache").commit(xid(1)) is None
+    assert client.mget([f"k{i}" for i in range(5)]) == [f"v{i}".encode() for i in range(5)]
+
+
+def test_kill9_between_commit_steps_then_the_server_then_recovery_finishes(
+    private_redis: Callable[..., Any], tmp_path: Path, managers: list
+) -> None:
+    """A process committing a large branch in bounded steps is killed (SIGKILL) after two,
+    then Redis too; restarted from its AOF, Redis holds exactly the two steps and the record
+    of them, and recovery (the decision is COMMIT) finishes the rest: every key once."""
+    import os
+    import subprocess
+    import sys
+
+    server = private_redis()
+    c = redis.Redis.from_url(server.url())
+    blind = RedisResource(c, "cache", blind_writes=True)
+    blind.start(xid(1)).mset({f"k{i}": f"v{i}" for i in range(10)})
+    assert blind.prepare(xid(1)) == Vote.COMMIT
+    with FileDecisionLog(tmp_path / "log") as log:
+        log.log_commit(Decision(xid(1).gtrid, ("cache",)))
+    child = (
+        "import redis\n"
+        "from coordinator import Xid\n"
+        "from resource_managers.redis import RedisResource\n"
+        f"r = RedisResource(redis.Redis.from_url({server.url()!r}), 'cache', commit_chunk=3)\n"
+        f"r.commit(Xid.branch_of({xid(1).gtrid!r}, 'cache'))\n"
+    )
+    env = {**os.environ, "TWOPC_CRASH_AT": "redis.cache.after_commit_step:2"}
+    done = subprocess.run([sys.executable, "-c", child], env=env, timeout=60, check=False)
+    assert done.returncode == -9
+    c.close()
+    server.kill9()
+    server.restart()
+    c2 = redis.Redis.from_url(server.url())
+    try:
+        record = c2.hgetall(blind._tx(xid(1).to_gid()))
+        assert (record[b"state"], record[b"applied"]) == (b"committing", b"6")
+        assert c2.mget("k5", "k6") == [b"v5", None]
+        make_manager(managers, [RedisResource(c2, "cache")], FileDecisionLog(tmp_path / "log"))
+        assert c2.mget([f"k{i}" for i in range(10)]) == [f"v{i}".encode() for i in range(10)]
+        assert leftovers(c2) == []
+    finally:
+        c2.close()
+
+
 def test_a_real_three_node_cluster(private_redis: Callable[..., Any]) -> None:
     """A branch in one hash slot of a real cluster: scripts route by their KEYS."""
     import shutil
@@ -901,6 +1064,25 @@ def test_a_real_three_node_cluster(private_redis: Callable[..., Any]) -> None:
     assert cache.prepare(xid(3)) == Vote.COMMIT
     assert RedisResource(client, "cache", hash_tag="acct").rollback(xid(3)) is None
     assert client.get("{acct}:r") is None
+    # the slot moving away while a commit runs: its first SET of a key the node no longer
+    # holds fails inside the script; it stops before anything is lost and finishes later
+    moving = cache.start(xid(4))
+    moving.set("{acct}:new", "late")
+    assert cache.prepare(xid(4)) == Vote.COMMIT
+    slot, owner = key_slot(b"acct"), client.get_node_from_key("{acct}:new")
+    source = next(p for p, n in zip(probes, nodes, strict=True) if n.port == owner.port)
+    target = next(p for p, n in zip(probes, nodes, strict=True) if n.port != owner.port)
+    source_id, target_id = (p.execute_command("CLUSTER", "MYID") for p in (source, target))
+    target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    with pytest.raises(TransientError, match="part-way"):
+        cache.commit(xid(4))
+    gid = xid(4).to_gid()
+    assert source.hget(cache._tx(gid), "state") in (b"prepared", b"committing")
+    assert source.exists(cache._ws(gid), cache._locks([b"{acct}:new"])[0]) == 2
+    for probe in (source, target):
+        probe.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+    assert cache.commit(xid(4)) is None and client.get("{acct}:new") == b"late"
     assert cache.prepared_stats()[0] == 0
     assert [k for k in client.scan_iter(match="*:lock:*")] == []
     client.close()

@@ -4,15 +4,17 @@
 -- * Data arrives only through KEYS and ARGV; no data is ever part of the script's text.
 -- * The prepare and one-phase scripts declare every key they read or write in KEYS: lock keys
 --   are passed and checked against prefix .. 'lock:' .. key, never just computed and used.
---   Commit and rollback declare the branch's own keys (tx hash, staged list, prepared set) and
---   take the data and lock keys from the staged set's header: the prepare declared each of
---   them, and all of a branch's keys share one hash slot (on Redis Cluster data_key enforces
---   it; a proxy that routes by declared keys put them on one server to run the prepare), so
---   they are where the commit runs. That spares phase two reading the keys back and sending
---   them again (0.4 s of a 250,000-key branch's 1.9 s commit, measured).
 -- * A redis.call error aborts a script but keeps its earlier writes, so every script finishes
 --   all of its checks (validate) before its first write.
---
+-- * The exception to both: commit (of plain SETs) and rollback declare the branch's own keys
+--   (tx hash, staged list, prepared set) and take the data and lock keys from the staged
+--   set's header, which the prepare wrote from keys it declared. That spares phase two reading
+--   the keys back and sending them again (0.4 s of a 250,000-key branch's 1.9 s commit,
+--   measured). Redis checks an undeclared key only when a call touches it (an ACL refusing it,
+--   a cluster slot being moved away), so such a call can fail after earlier writes; those two
+--   scripts order their writes so that the next call goes on safely from any such stop (see
+--   commit.lua). A write set that is not plain SETs is committed with every key declared.
+
 -- A write set is a flat array of [command, key, nargs, arg1 .. argn] repeated; a staged write
 -- set (the ws list) starts with the header [MAGIC, n, key1 .. keyn], the keys the branch locked.
 
@@ -186,16 +188,26 @@ local function decode(blob)
   return nil
 end
 
+-- whether src[from .. to] is nothing but plain SETs on keys in allowed (plain_sets' test alone)
+local function all_plain_sets(src, from, to, allowed)
+  if (to - from + 1) % 4 ~= 0 then return false end
+  for i = from, to, 4 do
+    if src[i] ~= 'SET' or src[i + 2] ~= '1' or not allowed[src[i + 1]] then return false end
+  end
+  return true
+end
+
 -- A write set of nothing but plain SETs (SET key value: a command that cannot fail, whatever
--- the key holds), every key in allowed: its (key, value) pairs and their count, else nil. Such
--- a set needs no simulation and no op tables (the two were most of a 250,000-key Spark
--- partition's prepare and commit, measured); anything else goes through parse and validate.
+-- the key holds), every key in allowed (nil: a chunk of a set the prepare checked): its (key,
+-- value) pairs and their count, else nil. Such a set needs no simulation and no op tables (the
+-- two were most of a 250,000-key Spark partition's prepare and commit, measured); anything
+-- else goes through parse and validate.
 local function plain_sets(src, from, to, allowed)
   local out, count = {}, 0
   if (to - from + 1) % 4 ~= 0 then return nil end
   for i = from, to, 4 do
     local key = src[i + 1]
-    if src[i] ~= 'SET' or src[i + 2] ~= '1' or not allowed[key] then return nil end
+    if src[i] ~= 'SET' or src[i + 2] ~= '1' or (allowed and not allowed[key]) then return nil end
     out[count + 1], out[count + 2], count = key, src[i + 3], count + 2
   end
   return out, count

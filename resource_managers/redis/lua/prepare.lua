@@ -18,7 +18,8 @@ local packed = 5 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
 local allowed = key_set(KEYS, 3 + n, n)
-if not plain_sets(src, 1, #src, allowed) then
+local plain = all_plain_sets(src, 1, #src, allowed) and '1' or '0'
+if plain == '0' then
   local ops, err = parse(src, 1, #src, allowed)
   if not ops then return {'BAD', err} end
   local index, key, message = validate(ops)
@@ -32,6 +33,6 @@ for i = 1, n do head[2 + i] = KEYS[3 + n + i] end
 push(KEYS[2], head, 1, #head)
 push(KEYS[2], src, 1, #src)
 local now = now_ms()
-redis.call('HSET', KEYS[1], 'state', 'prepared', 'ts', now)
+redis.call('HSET', KEYS[1], 'state', 'prepared', 'ts', now, 'plain', plain)
 redis.call('ZADD', KEYS[3], now, gid)
 return {'OK'}

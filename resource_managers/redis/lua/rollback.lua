@@ -3,10 +3,11 @@
 --       rules in common.lua; none when nothing was staged: a prepare still on its way then
 --       finds the tombstone and refuses)
 -- ARGV: 1 gid, 2 prefix, 3 tombstone ttl (s)
--- Reply: {'OK'} | {'STATE', 'committed'}
+-- Reply: {'OK'} | {'STATE', 'committed' or 'committing'} (a commit got there first: nothing
+--        is undone; a 'committing' branch is finished by the next commit call)
 local gid, prefix, ttl = ARGV[1], ARGV[2], ARGV[3]
 local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'committed' then return {'STATE', state} end
+if state == 'committed' or state == 'committing' then return {'STATE', state} end
 if state == 'aborted' then
   redis.call('ZREM', KEYS[3], gid)
   return {'OK'}
