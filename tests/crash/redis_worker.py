@@ -15,6 +15,7 @@ Redis resources keep twopc's keys under ``--namespace`` and the data under ``<NS
     <NS>:bal:<account>   a balance (a string INCRBY moves)
     <NS>:xfer:<gtrid>    b's half of a transfer: a hash {account, amount} (account "-": none)
     <NS>:ledger:<gtrid>  c's ledger entry
+    <NS>:seen:<gtrid>    c's second key: c commits in steps of one SET (``commit_chunk=1``)
     <NS>:veto            the key c watches in a ``veto`` transaction
 
 so a test can tell per transaction which branches it reached, as with the ``transfers`` rows of
@@ -77,6 +78,15 @@ def ledger_key(ns: str, gtrid: str) -> str:
     return f"{ns}:ledger:{gtrid}"
 
 
+def seen_key(ns: str, gtrid: str) -> str:
+    return f"{ns}:seen:{gtrid}"
+
+
+def enter(branch: RedisBranch, ns: str, gtrid: str) -> None:
+    """c's ledger entry and its second key: two plain SETs, so c's commit takes steps."""
+    branch.mset({ledger_key(ns, gtrid): "1", seen_key(ns, gtrid): "1"})
+
+
 def veto_key(ns: str) -> str:
     return f"{ns}:veto"
 
@@ -107,7 +117,7 @@ def open_resources(args: argparse.Namespace) -> list[Resource]:
         RedisResource(client, "b", blind_writes=args.blind, **options),
     ]
     if args.ledger:
-        resources.append(RedisResource(client, "c", **options))
+        resources.append(RedisResource(client, "c", commit_chunk=1, **options))
     return resources
 
 
@@ -144,7 +154,7 @@ def work(tm: TransactionManager, tx: Transaction, args: argparse.Namespace, kind
     if kind == "rob":  # b only reads: a ledger row in a, a ledger entry in c
         move(tx.join(tm.resource("a")), gtrid, None, 0)
         b.get(balance_key(ns, args.account))
-        tx.join(tm.resource("c")).set(ledger_key(ns, gtrid), "1")
+        enter(tx.join(tm.resource("c")), ns, gtrid)
         return ["a", "c"]
     move(tx.join(tm.resource("a")), gtrid, args.account, -1)
     credit(b, ns, gtrid, args.account, 1)
@@ -156,7 +166,7 @@ def work(tm: TransactionManager, tx: Transaction, args: argparse.Namespace, kind
         return ["a", "b"]
     if kind == "veto":
         c.watch(veto_key(ns))
-    c.set(ledger_key(ns, gtrid), "1")
+    enter(c, ns, gtrid)
     if kind == "veto":  # a writer outside twopc changes the watched key: c must vote no
         outsider = redis_client(args.redis)
         outsider.set(veto_key(ns), gtrid)
