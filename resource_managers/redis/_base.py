@@ -46,6 +46,9 @@ class RedisBase(Branches[RedisBranch]):
     lock_wait: float
     tombstone_ttl: int
     blind_writes: bool
+    #: the keys of branches prepared here whose commit declares them (not plain SETs, or on a
+    #: cluster): sent with it, not read back
+    _staged: dict[Xid, list[bytes]]
     commit_chunk: int | None
     _scripts: Scripts
     _encoder: Any

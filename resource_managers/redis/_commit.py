@@ -31,10 +31,12 @@ class CommitOps(PrepareOps):
             return self._commit_one_phase(self._branch(xid))
         with self._lock:
             stray = self._branches.get(xid)
+            keys = self._staged.pop(xid, None)
         if stray is not None:
             raise ProgrammingError(f"{self._name}: commit of {xid} before it was prepared")
         gid = xid.to_gid()
-        keys: list[bytes] | None = None
+        if keys is None and self.cluster:
+            keys = self._staged_keys(gid)  # declared on a cluster (see `_commit_call`)
         for _ in range(3):
             reply = self._run_commit(gid, keys)
             while reply[0] == b"MORE":  # a bounded step of a large branch (`commit_chunk`)
@@ -49,23 +51,25 @@ class CommitOps(PrepareOps):
         self, gid: str, keys: list[bytes] | None = None
     ) -> tuple[list[bytes], list[Any]]:
         """The commit script's KEYS and ARGV: the branch's own keys, and the staged keys when
-        given (a write set of plain SETs needs none: the script reads them)."""
+        given. A write set of plain SETs on a standalone server needs none: the script reads
+        them. On a cluster they are always declared: a node importing the slot would serve a
+        one-key command on an undeclared key that still lives on the other node."""
         meta = [self._tx(gid), self._ws(gid), self._prepared]
         declared = meta if keys is None else [*meta, *self._locks(keys), *keys]
         return declared, [gid, self.prefix, self.tombstone_ttl, self.commit_chunk or 0]
 
     def _run_commit(self, gid: str, keys: list[bytes] | None) -> Any:
         """One commit call. An error reply from inside the script (a key it did not declare
-        refused by an ACL, or on a cluster slot being moved) comes after the script's earlier
-        writes: the script orders them so that the next call goes on safely, and the branch is
-        left for that retry, never guessed."""
+        refused by an ACL) may come after the script's earlier writes: the script orders them
+        so that the next call goes on safely, and the branch is left for that retry (recovery
+        keeps trying), never guessed."""
         try:
             return self._run("commit", *self._commit_call(gid, keys), "commit " + gid)
         except rex.ResponseError as exc:
             raise TransientError(
-                f"{self._name}: the commit of {gid} stopped part-way: {exc}. Nothing is lost: "
-                "the branch stays prepared (or committing) and the next commit goes on from "
-                "where it stopped"
+                f"{self._name}: the commit of {gid} stopped part-way: {exc}. The branch stays "
+                "prepared (or 'committing', with how far it got) and the next commit goes on "
+                "from there"
             ) from exc
 
     def _committed(self, gid: str, reply: list[bytes]) -> Outcome | None:
@@ -92,30 +96,36 @@ class CommitOps(PrepareOps):
         (or exception: left to recovery) stands: a pipeline that fails part-way ends exactly as
         the individual commits would have."""
         peers = [(_peer(self, resource), xid) for resource, xid in branches]
-        plans: list[tuple[CommitOps, Xid, str]] = []
+        plans: list[tuple[CommitOps, Xid, str, list[bytes] | None]] = []
         for peer, xid in peers:
             with peer._lock:  # a branch still active here: ``commit`` says why
                 active = xid in peer._branches
-            plans.append((peer, xid, "" if active else xid.to_gid()))
-        sent = [(peer, gid) for peer, _, gid in plans if gid]
-        calls = [("commit", *peer._commit_call(gid)) for peer, gid in sent]
+                keys = None if active else peer._staged.pop(xid, None)
+            plans.append((peer, xid, "" if active else xid.to_gid(), keys))
+        sent = [(peer, gid, keys) for peer, _, gid, keys in plans if gid]
+        calls = [("commit", *peer._commit_call(gid, keys)) for peer, gid, keys in sent]
 
         def after_send() -> None:
-            for peer, _ in sent:
+            for peer, _, _ in sent:
                 crash_point(f"redis.{peer.name}.after_batch_send")
 
         try:
             replies = iter(self._scripts.pipelined(calls, after_send) if calls else [])
         except Exception as exc:  # the library could not be loaded: each one alone
             replies = iter([exc] * len(calls))
-        return [self._batch_answer(peer, xid, gid, replies) for peer, xid, gid in plans]
+        return [self._batch_answer(peer, xid, gid, keys, replies) for peer, xid, gid, keys in plans]
 
     @staticmethod
-    def _batch_answer(peer: CommitOps, xid: Xid, gid: str, replies: Iterator[Any]) -> Answer:
+    def _batch_answer(
+        peer: CommitOps, xid: Xid, gid: str, keys: list[bytes] | None, replies: Iterator[Any]
+    ) -> Answer:
         reply = next(replies) if gid else None
         if isinstance(reply, list) and reply and reply[0] in FINAL_REPLIES:
             return peer._committed(gid, reply)
-        try:  # run it alone
+        if gid and keys is not None:  # run it alone, with the keys it staged
+            with peer._lock:
+                peer._staged[xid] = keys
+        try:
             return peer.commit(xid)
         except Exception as exc:
             return exc
@@ -190,34 +200,53 @@ class CommitOps(PrepareOps):
     def rollback(self, xid: Xid) -> Outcome | None:
         with self._lock:
             branch = self._branches.pop(xid, None)
+            keys = self._staged.pop(xid, None)
         if branch is not None:
             with branch.lock:
                 phase, branch.phase = branch.phase, ENDED
             if phase in (ACTIVE, FAILED):
                 return None  # nothing of it ever reached Redis
             # a prepare may be on its way: the tombstone the script leaves fences it
+            keys = branch.plan()[0]
         gid = xid.to_gid()
+        if keys is None and self.cluster:
+            keys = self._staged_keys(gid)  # declared on a cluster, as the commit's
+        for _ in range(3):
+            reply = self._run_rollback(gid, keys)
+            if reply[0] == b"OK":
+                return None
+            if reply[0] == b"STATE" and reply[1] == b"committing":
+                return self._finish_committing(xid)
+            if reply[0] == b"STATE":
+                log.error("%s: rollback of %s found it committed", self._name, gid)
+                return Outcome.HEURISTIC_COMMIT
+            keys = self._staged_keys(gid) if self.cluster else None
+        raise TransientError(f"{self._name}: the staged keys of {gid} kept changing; will retry")
+
+    def _run_rollback(self, gid: str, keys: list[bytes] | None) -> Any:
         meta = [self._tx(gid), self._ws(gid), self._prepared]
+        declared = meta if keys is None else [*meta, *self._locks(keys)]
         args: list[bytes | str | int] = [gid, self.prefix, self.tombstone_ttl]
         try:
-            reply = self._run("rollback", meta, args, "rollback " + gid)
+            return self._run("rollback", declared, args, "rollback " + gid)
         except rex.ResponseError as exc:  # part-way, as a commit can (see `_run_commit`)
             raise TransientError(
                 f"{self._name}: the rollback of {gid} stopped part-way: {exc}. The branch "
                 "stays prepared and the next rollback goes on"
             ) from exc
-        if reply[0] == b"STATE" and reply[1] == b"committing":
-            log.error(
-                "%s: rollback of %s found its commit under way (part of it applied); nothing "
-                "is undone and a commit will finish it",
-                self._name,
-                gid,
-            )
-            return Outcome.HEURISTIC_MIXED
-        if reply[0] == b"STATE":
-            log.error("%s: rollback of %s found it committed", self._name, gid)
-            return Outcome.HEURISTIC_COMMIT
-        return None
+
+    def _finish_committing(self, xid: Xid) -> Outcome | None:
+        """A rollback found the branch's commit under way: only a COMMIT decision starts one,
+        so the commit is finished (never undone) and the answer is the heuristic that says the
+        branch did not roll back."""
+        log.error(
+            "%s: rollback of %s found its commit under way (the decision was commit): "
+            "finishing the commit instead",
+            self._name,
+            xid.to_gid(),
+        )
+        outcome = self.commit(xid)
+        return outcome if outcome is not None else Outcome.HEURISTIC_COMMIT
 
 
 def _peer(leader: CommitOps, resource: Resource[Any]) -> CommitOps:

@@ -83,6 +83,9 @@ class PrepareOps(RedisBase):
         if reply[0] != b"OK":
             self._refuse(branch, reply)
         crash_point(f"redis.{self._name}.after_prepare_marker")
+        if self.cluster or not branch.plain():  # their commit declares the keys: keep them
+            with self._lock:
+                self._staged[branch.xid] = branch.plan()[0]
         self._end(branch)
         return Vote.COMMIT
 

@@ -159,8 +159,9 @@ class RedisBranch:
 
     def mset(self, mapping: Mapping[Any, Any]) -> bool:
         """One buffered SET per key, all applied by the same commit script (so as atomic as
-        Redis's ``MSET``, unless the resource commits large branches in steps: ``commit_chunk``).
-        Every key and value is checked before any is buffered."""
+        Redis's ``MSET``, unless the resource commits large branches in steps, ``commit_chunk``,
+        or a commit stops part-way and its retry finishes it). Every key and value is checked
+        before any is buffered."""
         self.check_active()
         keys = self._resource.data_keys(mapping)
         values = [v.encode("utf-8") if type(v) is str else ws.encode(v) for v in mapping.values()]
@@ -444,6 +445,11 @@ class RedisBranch:
                 self.doomed = f"watched key {key!r} changed type since it was read"
             known.facts.update(base.facts)
         return base
+
+    def plain(self) -> bool:
+        """Nothing but plain ``SET key value``: what the prepare script records as ``plain``,
+        whose commit takes its keys from the staged set (``lua/commit.lua``)."""
+        return all(op.cmd == "SET" and len(op.args) == 1 for op in self.ops)
 
     def plan(self) -> tuple[list[bytes], list[bytes], bytes]:
         """(keys to lock, watch arguments, the packed write set) for the scripts."""

@@ -160,6 +160,7 @@ class RedisResource(ReadOps, CommitOps, RecoveryOps):
         self.tombstone_ttl = int(tombstone_ttl)
         self.blind_writes = blind_writes
         self.commit_chunk = commit_chunk
+        self._staged: dict[Xid, list[bytes]] = {}
         self._scripts = Scripts(client, self.cluster)
         self._encoder = client.get_encoder()
         self._durability_checked = False

@@ -8,8 +8,10 @@
 --        | {'BROKEN', key, message} (someone made the write set invalid; nothing written)
 --        | {'LOST', what} (the staged set is missing or malformed)
 --
--- Plain SETs (the prepare recorded plain = '1') take their keys from the staged header without
--- declaring them (see the rules in common.lua). An undeclared key is checked only when a call
+-- Plain SETs (the prepare recorded plain = '1') take their keys from the staged header, on a
+-- standalone server without declaring them (see the rules in common.lua; on Redis Cluster the
+-- caller declares them, checked against the header, because a node importing the slot would
+-- serve a one-key command on an undeclared key that still lives on the other node). An undeclared key is checked only when a call
 -- touches it (an ACL, a cluster slot on the move), so such a call may fail after earlier writes
 -- of the script stand. The order makes that harmless: first the SETs, under the locks, which
 -- only re-applying (the same values) can follow; then 'applied' in the record; then the locks,
@@ -70,6 +72,13 @@ local n, size = tonumber(head[2] or ''), redis.call('LLEN', KEYS[2])
 if head[1] ~= MAGIC or n == nil or size < 2 + n then return LOST end
 if state == 'committing' or redis.call('HGET', KEYS[1], 'plain') == '1' then
   if (size - 2 - n) % 4 ~= 0 then return LOST end
+  if #KEYS > 3 then -- declared (on Redis Cluster, always): they must be the staged header's
+    if check_layout(3, n, prefix) then return {'KEYS'} end
+    local keys = redis.call('LRANGE', KEYS[2], 2, 1 + n)
+    for i = 1, n do
+      if KEYS[3 + n + i] ~= keys[i] then return {'KEYS'} end
+    end
+  end
   local count = (size - 2 - n) / 4
   return plain_step(n, count, limit > 0 and limit or count + n + 1)
 end

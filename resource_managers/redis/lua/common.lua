@@ -10,10 +10,12 @@
 --   (tx hash, staged list, prepared set) and take the data and lock keys from the staged
 --   set's header, which the prepare wrote from keys it declared. That spares phase two reading
 --   the keys back and sending them again (0.4 s of a 250,000-key branch's 1.9 s commit,
---   measured). Redis checks an undeclared key only when a call touches it (an ACL refusing it,
---   a cluster slot being moved away), so such a call can fail after earlier writes; those two
---   scripts order their writes so that the next call goes on safely from any such stop (see
---   commit.lua). A write set that is not plain SETs is committed with every key declared.
+--   measured). Redis checks an undeclared key only when a call touches it (an ACL refusing it),
+--   so such a call can fail after earlier writes; those two scripts order their writes so that
+--   the next call goes on safely from any such stop (see commit.lua). On Redis Cluster the
+--   caller declares the keys anyway (a node importing the slot serves a one-key command on an
+--   undeclared key that still lives elsewhere), and a write set that is not plain SETs is
+--   committed with every key declared.
 
 -- A write set is a flat array of [command, key, nargs, arg1 .. argn] repeated; a staged write
 -- set (the ws list) starts with the header [MAGIC, n, key1 .. keyn], the keys the branch locked.
