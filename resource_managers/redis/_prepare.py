@@ -25,8 +25,8 @@ class PrepareOps(RedisBase):
         staged = self._stage(xid)
         if isinstance(staged, Vote):
             return staged
-        branch, keys, args = staged
-        return self._voted(branch, self._run_waiting("prepare", keys, args, branch))
+        branch, keys, args, touched = staged
+        return self._voted(branch, self._run_waiting("prepare", keys, args, branch), touched)
 
     def send_prepare(self, xid: Xid) -> Callable[[], Vote]:
         """``prepare(xid)`` with the script sent now and its reply read by the function returned
@@ -41,7 +41,7 @@ class PrepareOps(RedisBase):
         if isinstance(staged, Vote):
             vote = staged
             return lambda: vote
-        branch, keys, args = staged
+        branch, keys, args, touched = staged
         read = self._scripts.send("prepare", keys, args)
         crash_point(f"redis.{self._name}.after_prepare_send")
 
@@ -49,13 +49,13 @@ class PrepareOps(RedisBase):
             reply = read()
             if not isinstance(reply, list) or not reply or reply[0] == b"LOCKED":
                 reply = self._run_waiting("prepare", keys, args, branch)
-            return self._voted(branch, reply)
+            return self._voted(branch, reply, touched)
 
         return finish
 
-    def _stage(self, xid: Xid) -> Vote | tuple[RedisBranch, list[bytes], list[Any]]:
+    def _stage(self, xid: Xid) -> Vote | tuple[RedisBranch, list[bytes], list[Any], list[bytes]]:
         """Phase one up to the script: the branch's checks, then (branch, the prepare script's
-        KEYS and ARGV); or the vote of a branch with nothing to promise."""
+        KEYS and ARGV, the keys it locks); or the vote of a branch with nothing to promise."""
         branch = self._branch(xid)
         self._start_vote(branch)
         if not branch.ops:  # nothing to promise; a watched key that changed still votes no
@@ -66,7 +66,7 @@ class PrepareOps(RedisBase):
         keys = [self._tx(gid), self._ws(gid), self._prepared, *self._locks(touched), *touched]
         args = [gid, self.prefix, len(touched), len(branch.watches), *watch_args, packed]
         crash_point(f"redis.{self._name}.after_stage")
-        return branch, keys, args
+        return branch, keys, args, touched
 
     def _start_vote(self, branch: RedisBranch) -> None:
         """Phase one (or a one-phase commit) begins: a doomed branch votes no, and no more
@@ -78,14 +78,14 @@ class PrepareOps(RedisBase):
                 raise BranchConflict(f"{self._name}: {branch.doomed}")
             branch.phase = PREPARING
 
-    def _voted(self, branch: RedisBranch, reply: list[bytes]) -> Vote:
+    def _voted(self, branch: RedisBranch, reply: list[bytes], touched: list[bytes]) -> Vote:
         """The vote the prepare script's ``reply`` gives; a refusal raises (votes no)."""
         if reply[0] != b"OK":
             self._refuse(branch, reply)
         crash_point(f"redis.{self._name}.after_prepare_marker")
         if self.cluster or not branch.plain():  # their commit declares the keys: keep them
             with self._lock:
-                self._staged[branch.xid] = branch.plan()[0]
+                self._staged[branch.xid] = touched
         self._end(branch)
         return Vote.COMMIT
 

@@ -11,9 +11,9 @@
 -- Plain SETs (the prepare recorded plain = '1') take their keys from the staged header, on a
 -- standalone server without declaring them (see the rules in common.lua; on Redis Cluster the
 -- caller declares them, checked against the header, because a node importing the slot would
--- serve a one-key command on an undeclared key that still lives on the other node). An undeclared key is checked only when a call
--- touches it (an ACL, a cluster slot on the move), so such a call may fail after earlier writes
--- of the script stand. The order makes that harmless: first the SETs, under the locks, which
+-- serve a one-key command on an undeclared key that still lives on the other node). An
+-- undeclared key is checked only when a call touches it (an ACL refusing it), so such a call
+-- may fail after earlier writes of the script stand. The order makes that harmless: first the SETs, under the locks, which
 -- only re-applying (the same values) can follow; then 'applied' in the record; then the locks,
 -- each released at most once (release checks the owner); then the end. The record says
 -- 'committing' from the first SET on, so a rollback undoes nothing, and the next commit call
@@ -23,6 +23,15 @@
 local gid, prefix, ttl = ARGV[1], ARGV[2], ARGV[3]
 local limit = tonumber(ARGV[4] or '') or 0
 local LOST = {'LOST', 'the staged write set is missing or malformed'}
+
+-- whether the data keys KEYS declares (after check_layout, which checks their lock keys) are
+-- the staged header's, list[off + 1 .. off + n]
+local function declares(list, off, n)
+  for i = 1, n do
+    if KEYS[3 + n + i] ~= list[off + i] then return false end
+  end
+  return true
+end
 
 local function finish()
   redis.call('DEL', KEYS[2])
@@ -39,8 +48,9 @@ local function plain_step(n, count, bound)
   if done < count then
     local from = 2 + n + 4 * done
     local slice = redis.call('LRANGE', KEYS[2], from, from + 4 * bound - 1)
-    local sets, pairs_ = plain_sets(slice, 1, #slice, nil)
-    if not sets or #slice == 0 then return LOST end
+    local sets = {}
+    local pairs_ = plain_sets(slice, 1, #slice, nil, sets)
+    if not pairs_ or #slice == 0 then return LOST end
     -- first a write Redis allows at maxmemory (a field no record being committed has): after
     -- one, a script may go on growing memory; a function has allow-oom instead
     redis.call('HDEL', KEYS[1], 'reason')
@@ -72,25 +82,21 @@ local n, size = tonumber(head[2] or ''), redis.call('LLEN', KEYS[2])
 if head[1] ~= MAGIC or n == nil or size < 2 + n then return LOST end
 if state == 'committing' or redis.call('HGET', KEYS[1], 'plain') == '1' then
   if (size - 2 - n) % 4 ~= 0 then return LOST end
-  if #KEYS > 3 then -- declared (on Redis Cluster, always): they must be the staged header's
-    if check_layout(3, n, prefix) then return {'KEYS'} end
-    local keys = redis.call('LRANGE', KEYS[2], 2, 1 + n)
-    for i = 1, n do
-      if KEYS[3 + n + i] ~= keys[i] then return {'KEYS'} end
-    end
+  -- declared (on Redis Cluster, always): they must be the staged header's
+  if #KEYS > 3 and (check_layout(3, n, prefix)
+      or not declares(redis.call('LRANGE', KEYS[2], 2, 1 + n), 0, n)) then
+    return {'KEYS'}
   end
   local count = (size - 2 - n) / 4
   return plain_step(n, count, limit > 0 and limit or count + n + 1)
 end
 if #KEYS == 3 and n > 0 then return {'KEYS'} end
-if check_layout(3, n, prefix) then return {'KEYS'} end
+if check_layout(3, n, prefix) then return {'KEYS'} end -- before reading the whole set
 local ws = redis.call('LRANGE', KEYS[2], 0, -1)
 local first
 n, first = header(ws)
 if n == nil then return LOST end
-for i = 1, n do
-  if KEYS[3 + n + i] ~= ws[2 + i] then return {'KEYS'} end
-end
+if not declares(ws, 2, n) then return {'KEYS'} end
 local ops, err = parse(ws, first, #ws, key_set(KEYS, 3 + n, n))
 if not ops then return {'LOST', err} end
 local index, key, message = validate(ops)

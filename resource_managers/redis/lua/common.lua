@@ -100,16 +100,6 @@ local function key_set(keys, first, n)
   return set
 end
 
--- the lock keys and the data keys of a staged set (its header), laid out as the prepare's
--- KEYS had them: {lock 1 .. lock n, key 1 .. key n}
-local function staged_keys(ws, n, prefix)
-  local keys = {}
-  for i = 1, n do
-    local key = ws[2 + i]
-    keys[i], keys[n + i] = prefix .. 'lock:' .. key, key
-  end
-  return keys
-end
 
 local function push(list, src, from, to)
   for i = from, to, CHUNK do
@@ -190,29 +180,21 @@ local function decode(blob)
   return nil
 end
 
--- whether src[from .. to] is nothing but plain SETs on keys in allowed (plain_sets' test alone)
-local function all_plain_sets(src, from, to, allowed)
-  if (to - from + 1) % 4 ~= 0 then return false end
-  for i = from, to, 4 do
-    if src[i] ~= 'SET' or src[i + 2] ~= '1' or not allowed[src[i + 1]] then return false end
-  end
-  return true
-end
-
 -- A write set of nothing but plain SETs (SET key value: a command that cannot fail, whatever
--- the key holds), every key in allowed (nil: a chunk of a set the prepare checked): its (key,
--- value) pairs and their count, else nil. Such a set needs no simulation and no op tables (the
--- two were most of a 250,000-key Spark partition's prepare and commit, measured); anything
--- else goes through parse and validate.
-local function plain_sets(src, from, to, allowed)
-  local out, count = {}, 0
+-- the key holds), every key in allowed (nil: a chunk of a set the prepare checked): the number
+-- of (key, value) entries, with the pairs put in out when it is given; else nil. Such a set
+-- needs no simulation and no op tables (the two were most of a 250,000-key Spark partition's
+-- prepare and commit, measured); anything else goes through parse and validate.
+local function plain_sets(src, from, to, allowed, out)
   if (to - from + 1) % 4 ~= 0 then return nil end
+  local count = 0
   for i = from, to, 4 do
     local key = src[i + 1]
     if src[i] ~= 'SET' or src[i + 2] ~= '1' or (allowed and not allowed[key]) then return nil end
-    out[count + 1], out[count + 2], count = key, src[i + 3], count + 2
+    if out then out[count + 1], out[count + 2] = key, src[i + 3] end
+    count = count + 2
   end
-  return out, count
+  return count
 end
 
 -- the pairs plain_sets found, applied as one MSET per CHUNK pairs (a later value of a key

@@ -19,8 +19,9 @@ local packed = 6 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
 local allowed = key_set(KEYS, 1 + n, n)
-local sets, count = plain_sets(src, 1, #src, allowed)
-if sets then
+local sets = {}
+local count = plain_sets(src, 1, #src, allowed, sets)
+if count then
   mset_pairs(sets, count)
 else
   local ops, err = parse(src, 1, #src, allowed)

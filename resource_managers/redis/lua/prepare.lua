@@ -18,7 +18,7 @@ local packed = 5 + 2 * watches
 local src = #ARGV == packed and decode(ARGV[packed])
 if not src then return {'BAD', 'the packed write set is malformed'} end
 local allowed = key_set(KEYS, 3 + n, n)
-local plain = all_plain_sets(src, 1, #src, allowed) and '1' or '0'
+local plain = plain_sets(src, 1, #src, allowed, nil) and '1' or '0'
 if plain == '0' then
   local ops, err = parse(src, 1, #src, allowed)
   if not ops then return {'BAD', err} end
