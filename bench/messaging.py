@@ -12,9 +12,12 @@ transfer thread; the consuming application with its embedded cursor, which the t
 over TCP on loopback, authenticated):
 
 - ``twopc-eo``, exactly-once with PostgreSQL as the logging last resource at both ends: the
-  producer's message-log branch is prepared, then its PostgreSQL insert commits in one phase with
-  the decision row inside it (the commit point), then the log commits; the consumer's cursor
-  branch likewise before its PostgreSQL insert. No decision-log force, no PREPARE TRANSACTION.
+  producer's PostgreSQL insert commits in one phase with the decision row inside it (the commit
+  point), the message-log branch riding in that row as a payload (`coordinator.carried`), then
+  the log applies it; the consumer's cursor branch likewise rides its PostgreSQL insert's commit.
+  No decision-log force, no PREPARE TRANSACTION, no forced record of either store.
+  ``twopc-eo-prepared`` is the same with both stores' branches prepared (a forced record each)
+  before the database's commit: the path before carried branches.
   Both sides run their SQL through the branch's Core connection (`PostgresResource.connection`,
   the lean handle for hot paths) and write their stores' commit records lazily (the defaults).
 - ``twopc-eo-file``, the same with the file decision log and PostgreSQL prepared as an ordinary
@@ -100,7 +103,7 @@ from resource_managers.throwaway import PostgresServer
 
 EXACTLY_ONCE = "twopc exactly-once (PostgreSQL last resource)"
 EXACTLY_ONCE_FILE = "twopc exactly-once (file log, PG prepared)"
-EXACTLY_ONCE_PREPARED = "twopc exactly-once (PG last resource, log prepared)"
+EXACTLY_ONCE_PREPARED = "twopc exactly-once (PG last resource, stores prepared)"
 AT_LEAST_ONCE = "twopc at-least-once (ack after commit, no 2PC)"
 MESSAGING_ONLY = "twopc log+cursor only (no database)"
 MODES = {
@@ -167,6 +170,18 @@ def _log_resource(mode: str, mlog: MessageLog) -> MessageLogResource:
     return MessageLogResource(mlog, "mlog", rides_last_resource=mode != "exactly-once-prepared")
 
 
+def _cursor_resource(mode: str, cursor: Cursor) -> CursorResource:
+    """The consumer's cursor branch: carried likewise unless the mode says it prepares."""
+    return CursorResource(cursor, "cursor", rides_last_resource=mode != "exactly-once-prepared")
+
+
+def node_id(role: str, workdir: Path) -> str:
+    """A coordinator node id of its own per row: each row's stores are new, so a row must not
+    inherit an earlier row's decision rows (recovery would hand their payloads to the new
+    stores, or keep them as naming stores it cannot find)."""
+    return f"{role}-{workdir.name[-8:]}"
+
+
 def _manager(node: str, workdir: Path, resources: list[Any]) -> TransactionManager:
     return TransactionManager(
         node,
@@ -190,10 +205,10 @@ def consumer_main(  # noqa: PLR0917 - a Process target takes positional argument
         {TRANSFER_ROLE: TransferReceiver(cursor)},
     ).start()  # fmt: skip
     engine = _engine(dsn)
-    cur_res = CursorResource(cursor, "cursor")
+    cur_res = _cursor_resource(mode, cursor)
     pg = _pg(mode, engine)
     resources: list[Any] = [cur_res, pg] if mode in TWO_PHASE else [cur_res]
-    tm = _manager("bench-consumer", workdir, resources)
+    tm = _manager(node_id("bench-consumer", workdir), workdir, resources)
     pipe.send(listener.address)
     latencies: list[float] = []
     rounds = 0
@@ -242,7 +257,7 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
     log_res = _log_resource(mode, mlog)
     pg = _pg(mode, engine)
     resources: list[Any] = [log_res, pg] if mode in TWO_PHASE else [log_res]
-    tm = _manager("bench-producer", workdir, resources)
+    tm = _manager(node_id("bench-producer", workdir), workdir, resources)
     batches = list(base._Run(per_tx, total).batches())  # the baselines' ids and bodies
     pipe.send("ready")
     pipe.recv()  # go

@@ -67,7 +67,7 @@ from sqlalchemy.engine import make_url
 from messaging.auth import SharedSecret
 from messaging.connection import Listener, connect
 from messaging.transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
-from resource_managers.cursor import Cursor, CursorResource
+from resource_managers.cursor import Cursor
 from resource_managers.message_log import MessageLog
 from resource_managers.throwaway import PostgresServer
 
@@ -106,8 +106,10 @@ CRASH_POINTS = {
     ("transfer", "wire"): "xfer.log.after_send, xfer.cursor.after_ack",
     ("transfer", "cursor"): "xfer.cursor.after_persist",
     ("transfer", "message log"): "xfer.log.before_compact",
-    ("consumer", "cursor"): "cursor.cursor.after_receive, cursor.cursor.after_prepare, "
-    "cursor.cursor.after_lazy_commit, cursor.cursor.commit_durable",
+    ("consumer", "cursor"): "cursor.cursor.after_receive, cursor.after_credited_take; carried: "
+    "cursor.after_carriers (once), tm.carried.after_stage, cursor.cursor.after_carried_commit, "
+    "cursor.cursor.carried_durable, tm.carried.before_forget; prepared: "
+    "cursor.cursor.after_prepare, cursor.cursor.after_lazy_commit, cursor.cursor.commit_durable",
     ("consumer", "decision log"): "tm.before_decision_write, tm.after_decision_fsync, "
     "tm.before_end_record, tm.end_deferred, tm.before_deferred_end",
     ("consumer", "PostgreSQL"): "tm.after_prepare.N, tm.llr.before_commit, tm.llr.after_commit, "
@@ -208,11 +210,13 @@ class Pipeline:
         stack.callback(p_engine.dispose)
         stack.callback(c_engine.dispose)
         self.log_res = bm._log_resource(mode, self.mlog)
-        self.cur_res = CursorResource(self.cursor, "cursor")
+        self.cur_res = bm._cursor_resource(mode, self.cursor)
         self.p_pg, self.c_pg = bm._pg(mode, p_engine), bm._pg(mode, c_engine)
-        self.tm_p = bm._manager("bench-producer", workdir, [self.log_res, self.p_pg])
+        self.tm_p = bm._manager(bm.node_id("bench-producer", workdir), workdir,
+                                [self.log_res, self.p_pg])  # fmt: skip
         stack.callback(self.tm_p.close)
-        self.tm_c = bm._manager("bench-consumer", workdir, [self.cur_res, self.c_pg])
+        self.tm_c = bm._manager(bm.node_id("bench-consumer", workdir), workdir,
+                                [self.cur_res, self.c_pg])  # fmt: skip
         stack.callback(self.tm_c.close)
         self.prefix = uuid.uuid4().hex[:12]
         self.sent = 0

@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from .carried import CarriedBranches, carries, rides
+from .carried import CarriedBranches, holds, rides
 from .crashpoints import crash_point
 from .last_resource import LastResource
 from .resource import Resource
@@ -33,16 +33,20 @@ class Pass(Protocol):
 
 def restore_carried(run: Pass, lasts: list[LastResource]) -> set[str] | None:
     """Hand back every carried branch whose store lost its commit; returns the gtrids whose rows
-    must stay (a restore failed, a store is missing), or None when a store's remembered gids or
-    a last resource's rows could not be read (then no row may go in this pass).
+    must stay (a restore failed, a store is missing or does not ride), or None when a store's
+    remembered gids or a last resource's rows could not be read (then no row may go in this
+    pass). The rows are read even when no configured store rides: a row that carries a payload
+    nobody here can restore must stay, not be deleted as ended.
 
     The stores' remembered gids are read before the rows: a gid remembered with no row had its
     row deleted before the read (rows go only after the carried record is durable), so it is
     forgotten here; a row whose gid is not remembered was never applied durably, and its payload
     is committed again."""
     riders = [r for r in run.ordered() if rides(r)]
-    holders = [r for r in lasts if carries(r)]
-    if not riders or not holders:
+    # every last resource whose rows may hold payloads, even one that may not commit new ones
+    # (`carries`): an earlier process's rows must be read, restored and kept, never dropped
+    holders = [r for r in lasts if holds(r)]
+    if not holders:
         return set()
     remembered: dict[str, set[str]] = {}
     for rider in riders:
@@ -69,7 +73,20 @@ def restore_carried(run: Pass, lasts: list[LastResource]) -> set[str] | None:
     live = {Xid.branch_of(g, n).to_gid() for g, carried in rows.items() for n in carried}
     for rider in riders:
         _forget(run, rider, remembered[rider.name] - live)
+    if not keep - {g for g in rows if run.in_flight(g)}:  # every row restored or in flight
+        for rider in riders:
+            _restored(run, rider)
     return keep
+
+
+def _restored(run: Pass, rider: CarriedBranches) -> None:
+    """Tell a store that waits for it (the cursor hands nothing out after a crash until then)
+    that this node's rows hold nothing more to restore, for it or for any other store: only a
+    pass that restored every row says so (a row naming a store it could not find may be this
+    store's under another name)."""
+    done = getattr(rider, "carried_restored", None)
+    if done is not None:
+        done(run.node_id)
 
 
 def _restore_one(

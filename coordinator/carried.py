@@ -126,6 +126,12 @@ def rides(resource: object) -> TypeGuard[CarriedBranches]:
     return bool(verbs_of(resource) & CARRY) and getattr(resource, "rides_last_resource", False)
 
 
+def holds(resource: object) -> TypeGuard[CarryingLastResource]:
+    """True for a last resource whose decision rows can be read for payloads (whether or not it
+    may write new ones: `carries`)."""
+    return callable(getattr(resource, "carried_of", None))
+
+
 def carries(resource: object) -> TypeGuard[CarryingLastResource]:
     """True for a last resource that can hold carried payloads in its decision rows."""
     answer = getattr(resource, "carries_branches", None)

@@ -220,11 +220,15 @@ class Recovery:
                 report.deferred += 1
             prepared[xid.gtrid] -= done
         if complete:
+            # The rows a deletion may take are read before the carried restore reads them: a
+            # row committed between the two reads (a commit the server was still finishing for
+            # a process that died) is then never deleted without having been restored.
+            rows = self._decision_rows(lasts)
             run = _CarriedPass(self, guard, report)
             with self.forget_gate.holding():
                 unsettled = restore_carried(run, lasts)
             if unsettled is not None:  # else a store or a row could not be read: keep every row
-                dropped = self._drop_ended_decisions(lasts, set(+prepared) | unsettled, guard)
+                dropped = self._drop_ended_decisions(rows, set(+prepared) | unsettled, guard)
                 forget_carried(run, dropped)
 
     def _list(
@@ -308,16 +312,32 @@ class Recovery:
             report.heuristics.append(f"{describe(xid)}: {result.value}")
         return True
 
-    def _drop_ended_decisions(
-        self, lasts: list[LastResource], prepared: set[str], guard: InFlightGuard
-    ) -> set[str]:
-        """Delete decision rows no branch needs: not in flight, nothing of theirs prepared (every
-        resource was listed after the guard's snapshot), every branch a configured resource.
-        Returns the gtrids whose rows were deleted."""
-        dropped: set[str] = set()
+    def _decision_rows(
+        self, lasts: list[LastResource]
+    ) -> list[tuple[LastResource, dict[str, tuple[str, ...]]]]:
+        """Each last resource's commit rows of this node (one that cannot be read is left out:
+        its rows stay until a later pass)."""
+        out = []
         for resource in lasts:
             try:
-                rows = resource.committed_decisions(self.node_id)
+                out.append((resource, resource.committed_decisions(self.node_id)))
+            except Exception as exc:  # only housekeeping: the rows are retried next pass
+                log.warning("decision rows of %s not read: %r", resource.name, exc)
+        return out
+
+    def _drop_ended_decisions(
+        self,
+        read: list[tuple[LastResource, dict[str, tuple[str, ...]]]],
+        prepared: set[str],
+        guard: InFlightGuard,
+    ) -> set[str]:
+        """Delete decision rows no branch needs, of those ``read`` (`_decision_rows`): not in
+        flight, nothing of theirs prepared (every resource was listed after the guard's
+        snapshot), every branch a configured resource. Returns the gtrids whose rows were
+        deleted."""
+        dropped: set[str] = set()
+        for resource, rows in read:
+            try:
                 ended = {
                     gtrid
                     for gtrid, branches in rows.items()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from resource_managers.bookkeeping import carried_records
 from resource_managers.sequencing import StreamFilter
 
 from ._records import encode
-from ._state import CursorState
+from ._state import CursorState, StagedBranch
 
 log = logging.getLogger("twopc.cursor")
 
@@ -51,6 +51,13 @@ class CursorBase:
     _settling: set[str]  # gids whose lazy commit record is not durable yet (`._xa`)
     _attached: Counter[str]  # subscription queue -> subscribers attached (in memory)
     _take_lock: threading.Lock  # one publication taken at a time (`._dispatch`)
+    # carried branches (`._carried`)
+    _staged: dict[str, StagedBranch]  # gid -> a branch staged for the last resource's commit
+    _forgetting: set[str]  # remembered gids to forget with the next record
+    _awaiting: set[str]  # nodes whose recovery must run before anything is handed out
+    _arrivals: deque[tuple[Ticket, list[str]]]  # lazy ``M`` batches not known durable
+    _carrier_lock: threading.Lock  # one ``O`` record at a time
+    _closing: bool  # a clean close began: no more staging
 
     def _append(self, record: dict[str, Any], force: bool) -> None:
         """Queue and apply under the lock, then wait for durability outside it, all inside the

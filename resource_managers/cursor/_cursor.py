@@ -32,6 +32,7 @@ from coordinator.journal import (
 from resource_managers.sequencing import StreamFilter
 
 from ._base import log
+from ._carried import CarriedOps, new_arrivals
 from ._dead_letters import DeadLetterOps
 from ._dispatch import DispatchOps
 from ._intake import Intake
@@ -51,7 +52,7 @@ from ._values import (
 from ._xa import BranchOps
 
 
-class Cursor(Intake, BranchOps, SubscriptionOps, DispatchOps, DeadLetterOps, QueueOps):
+class Cursor(Intake, CarriedOps, BranchOps, SubscriptionOps, DispatchOps, DeadLetterOps, QueueOps):
     """Accepted messages in ``directory``, locked to this process. Thread-safe; a context manager.
 
     ``max_deliveries`` applies to the branches found handed out (not prepared) at open, which are
@@ -101,6 +102,19 @@ class Cursor(Intake, BranchOps, SubscriptionOps, DispatchOps, DeadLetterOps, Que
         self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"cursor {directory}")
         self._settling = set()  # gids whose lazy commit record is not durable yet
         self._last_accept = None  # the newest lazy M record (`deliver_lazily`)
+        self._staged, self._forgetting, self._arrivals = {}, set(), new_arrivals()
+        self._carrier_lock, self._closing = threading.Lock(), False
+        #: a crash may have lost carried commits of these nodes: nothing goes out until their
+        #: recovery restored them (`._carried`)
+        self._awaiting = set(self._state.carriers)
+        if self._awaiting:
+            log.warning(
+                "cursor %s: hands nothing out until the recovery of coordinator node(s) %s has "
+                "restored the carried commits a crash may have lost here (a TransactionManager "
+                "with that node id and this resource, recovering on start)",
+                self.directory,
+                ", ".join(sorted(self._awaiting)),
+            )
         try:
             self._filter = StreamFilter(self._state.filter)
             for gid in list(self._state.handed):  # their process is gone: presumed abort
@@ -141,8 +155,10 @@ class Cursor(Intake, BranchOps, SubscriptionOps, DispatchOps, DeadLetterOps, Que
             )  # fmt: skip
 
     def close(self) -> None:
-        """Give back unused pre-counts (a lazy ``G``), write lazy records (rollbacks, forgets,
-        commits), fsync, release the lock."""
+        """Give back unused pre-counts (a lazy ``G``), clear the carriers (a lazy ``O``) if
+        nothing is staged, write lazy records (rollbacks, forgets, commits), fsync, release the
+        lock."""
+        self._clear_carriers()
         self._give_back_credits()
         self._lazy.close()
         self._journal.close()

@@ -119,6 +119,10 @@ class Intake(CursorBase):
         order, apply them, and grant the pre-counts they carry (pending until it is on disk)."""
         fresh = [self._fresh_arrival(r) for r in records]
         self._last_accept = self._submit_many_locked(records)
+        arrivals = self._arrivals  # for a carried branch's pre-counts (`._carried`)
+        while arrivals and arrivals[0][0].done:
+            arrivals.popleft()
+        arrivals.append((self._last_accept, [r["o"]["i"] for r in records]))
         keys = [
             key for record, new in zip(records, fresh, strict=True)
             for key in self._arrived(record, new)
@@ -234,7 +238,11 @@ class Intake(CursorBase):
         once durable, because adopting it advances the stream's filter, and a filter ahead of
         the disk would re-acknowledge, as duplicates, resends of messages the cursor never
         wrote."""
-        force = any(not r["q"].endswith(VOLATILE_SUFFIX) for r, _ in records)
+        # lazy only for non-persistent messages on their own streams: a persistent message
+        # (which a carried branch may consume without a forced record of its own) is forced
+        force = any(
+            not r["q"].endswith(VOLATILE_SUFFIX) or r["o"].get("p", True) for r, _ in records
+        )
         self._gate.enter_shared()
         try:
             self._write_many([record for record, _ in records], force)  # one group, in order

@@ -11,7 +11,14 @@ Kinds (``k``):
 - ``H`` handed out: ``g`` gid, ``i`` message ids, ``c`` 1 (a delivery: each count + 1, forced) or
   0 (no count: carried by rollover, or messages whose count a pre-count already raised; lazy).
 - ``P`` prepare: ``g``, ``i`` the ids the branch deletes (forced).
-- ``C`` commit: ``g``, ``i`` the ids deleted (forced; also the one-phase commit).
+- ``C`` commit: ``g``, ``i`` the ids deleted (forced; also the one-phase commit). With ``v``
+  true, a *carried* commit (`._carried`): the branch never prepared here, its record rode the last
+  resource's commit as a payload, and this record (lazy) also *remembers* ``g`` until a ``D``;
+  ``f`` (optional) gids forgotten with it.
+- ``O`` the coordinator nodes whose carried commits this cursor may have lost in a crash: ``d``
+  (forced before the first carried branch of a node is staged; an empty list at a clean close).
+  An open that finds any hands nothing out until each node's recovery has restored them.
+- ``A`` remembered carried gids, carried by rollover: ``b``. ``D`` forgotten ones: ``b`` (lazy).
 - ``p`` (optional, in ``H`` with ``c`` 1, ``P`` and a one-phase ``C``): keys of available,
   never-delivered messages whose count goes + 1 ahead of their delivery (a *pre-count*: the
   forced record that has to be written anyway makes the next deliveries' counts durable, so
@@ -120,6 +127,7 @@ _CHECKS: dict[str, Any] = {
     "q": _str, "e": _int, "n": _int, "o": to_message, "g": _str, "i": _strs, "c": _int,
     "t": _int, "x": _pairs, "l": _int, "a": _int, "u": _str, "r": _opt_str, "v": _bool,
     "s": _str, "w": _str, "y": _str, "h": _str, "m": _str, "z": _strs, "j": _bool, "p": _strs,
+    "d": _strs, "b": _strs, "f": _strs,
 }  # fmt: skip
 _SCHEMA: dict[str, tuple[str, ...]] = {
     "M": ("q", "e", "n", "o"),
@@ -143,7 +151,10 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "Z": ("i",),
     "G": ("i",),
     "L": ("s", "n"),
+    "O": ("d",),
+    "A": ("b",),
+    "D": ("b",),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
-    "Q": ("y", "h"), "M": ("j", "p"), "H": ("p",), "P": ("p",), "C": ("p",),
+    "Q": ("y", "h"), "M": ("j", "p"), "H": ("p",), "P": ("p",), "C": ("p", "v", "f"),
 }  # fmt: skip

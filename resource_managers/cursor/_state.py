@@ -49,7 +49,7 @@ class Credit:
     written, then True, or False if it failed. A delivery may consume a credit only once it
     is durable (a receive that finds it pending waits), so a count is never low."""
 
-    __slots__ = ("durable", "keys", "ticket")
+    __slots__ = ("carried", "durable", "keys", "ticket")
 
     def __init__(self, keys: list[str], ticket: Any = None) -> None:
         self.keys = keys
@@ -57,6 +57,21 @@ class Credit:
         #: a lazy record's journal ticket (an ``M`` pre-counted at arrival): durable once done
         #: without error, instead of being settled by a writer thread
         self.ticket = ticket
+        #: raised by a carried branch's payload (`._carried`): settled True once the last
+        #: resource committed it; until then no other branch consumes it
+        self.carried = False
+
+
+class StagedBranch:
+    """A branch staged for a carried commit: its ``C`` record (without ``v``), the payload that
+    encodes it, and the credits its pre-counts granted (pending until the commit point)."""
+
+    __slots__ = ("credit", "payload", "record")
+
+    def __init__(self, record: dict[str, Any], payload: bytes, credit: Credit | None) -> None:
+        self.record = record
+        self.payload = payload
+        self.credit = credit
 
 
 @dataclass
@@ -183,6 +198,10 @@ class CursorState:
         self.subscriptions: dict[str, SubscriptionState] = {}
         self.inbox: dict[str, None] = {}  # publications not yet taken, in arrival order
         self.taken: dict[str, Taken] = {}  # the in-doubt list, in take order
+        #: gids of carried commits (``C`` with ``v``) not yet forgotten (``D``): `._carried`
+        self.remembered: set[str] = set()
+        #: coordinator nodes whose carried commits a crash may have left unapplied here (``O``)
+        self.carriers: set[str] = set()
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -241,6 +260,19 @@ class CursorState:
     def _commit_record(self, r: dict[str, Any]) -> None:
         self._commit(r["g"], r["i"])
         self._precount(r.get("p", ()))
+        if r.get("v"):  # a carried commit: remembered until its decision row is gone
+            self.remembered.add(r["g"])
+        self.remembered.difference_update(r.get("f", ()))
+
+    def _carriers(self, r: dict[str, Any]) -> None:
+        """``O``: the nodes whose carried commits an open must wait for recovery to restore."""
+        self.carriers = set(r["d"])
+
+    def _remember(self, r: dict[str, Any]) -> None:
+        self.remembered.update(r["b"])
+
+    def _forget_remembered(self, r: dict[str, Any]) -> None:
+        self.remembered.difference_update(r["b"])
 
     def _precount(self, keys: Iterable[str]) -> None:
         """``p``: raise counts ahead of delivery, whatever the record's own verdict (a ``P``
@@ -484,7 +516,8 @@ class CursorState:
 
     def live_records(self, now_ms: int, tombstone_ms: int) -> list[dict[str, Any]]:
         """What a rollover carries: filter states, queue kinds, durable subscriptions, messages,
-        the in-doubt list with its monitor entries, branches, young tombstones."""
+        the in-doubt list with its monitor entries, branches, young tombstones, the carriers
+        and the remembered carried gids."""
         out: list[dict[str, Any]] = [
             {"k": "S", "q": q, "e": s.epoch, "l": s.last} for q, s in self.filter.items()
         ]
@@ -510,6 +543,10 @@ class CursorState:
         for gid, at in self.tombstones.items():
             if now_ms - at < tombstone_ms:
                 out.append({"k": "R", "g": gid, "t": at, "i": [], "x": []})
+        if self.carriers:
+            out.append({"k": "O", "d": sorted(self.carriers)})
+        if self.remembered:
+            out.append({"k": "A", "b": sorted(self.remembered)})
         return out
 
 
@@ -520,4 +557,5 @@ _APPLY = {
     "X": "_expired_dropped", "W": "_expired_moved", "T": "_queue_kind", "U": "_subscribed",
     "V": "_unsubscribed", "I": "_taken", "K": "_copied", "N": "_monitored", "E": "_finished",
     "Y": "_replayed", "Z": "_purged", "G": "_given_back", "L": "_log_announced",
+    "O": "_carriers", "A": "_remember", "D": "_forget_remembered",
 }  # fmt: skip

@@ -25,7 +25,6 @@ durable, and until then the gid is listed as prepared (`coordinator.lazy_commit`
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -60,6 +59,10 @@ class _Reserved:
 class BranchOps(CursorBase):
     """`Cursor`'s branch verbs, keyed by gid (see the module docstring)."""
 
+    # a carried branch's verbs (`._carried.CarriedOps`, which `Cursor` also mixes in)
+    restore_carried: Callable[[str, dict[str, Any]], None]
+    drop_staged: Callable[[str], bool]
+
     # -- the resource's verbs ------------------------------------------------------------------
 
     def take(self, gid: str, queue: str, timeout: float | None = 0.0) -> Delivery | None:
@@ -85,7 +88,7 @@ class BranchOps(CursorBase):
             self._gate.enter_shared()
             try:
                 with self._lock:
-                    held = self._reserve(gid, queue, max_messages)
+                    held = None if self._awaiting else self._reserve(gid, queue, max_messages)
                 if held is not None:
                     self._await_hand_out(gid, held)
             finally:
@@ -99,7 +102,7 @@ class BranchOps(CursorBase):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return []
-                if self._state.first_available(queue) is None:
+                if self._awaiting or not self._takeable(queue, 1):
                     self.changed.wait(remaining)
 
     def _reserve(self, gid: str, queue: str, max_messages: int) -> _Reserved | None:
@@ -123,7 +126,7 @@ class BranchOps(CursorBase):
                 {"k": "W", "i": [key], "r": expiry_reason(deadline, now)}
                 for key, deadline in zip(expired, deadlines, strict=True)
             ])  # fmt: skip
-        ids = list(itertools.islice(self._state.available.get(queue, ()), max_messages))
+        ids = self._takeable(queue, max_messages)
         if not ids:
             return None
         taken = [self._state.entries[key] for key in ids]
@@ -139,6 +142,20 @@ class BranchOps(CursorBase):
         if credited:  # counts raised already: lazy, for the replay's and the rollover's sake
             self._submit_locked({"k": "H", "g": gid, "i": credited, "c": 0}, force=False)
         return _Reserved(taken, ticket, set(counted), consumed, granted)
+
+    def _takeable(self, queue: str, max_messages: int) -> list[str]:
+        """Under the lock: the first ``max_messages`` available keys of ``queue``, passing over
+        those a carried branch pre-counted and has not committed yet (`._carried`): their count
+        is raised by that commit, so handing one out now would count it twice."""
+        out: list[str] = []
+        for key in self._state.available.get(queue, ()):
+            credit = self._state.entries[key].credit
+            if credit is not None and credit.carried and credit.durable is None:
+                continue
+            out.append(key)
+            if len(out) == max_messages:
+                break
+        return out
 
     def _await_hand_out(self, gid: str, held: _Reserved) -> None:
         """Outside the lock: the forced ``H`` durable, the credits it grants settled, and every
@@ -250,8 +267,8 @@ class BranchOps(CursorBase):
 
     def is_prepared(self, gid: str) -> bool:
         """Prepared, or committed by a lazy record not yet durable (recovery must still see it:
-        `coordinator.lazy_commit`)."""
-        return gid in self._state.prepared or gid in self._settling
+        `coordinator.lazy_commit`), or staged for a carried commit (`._carried`)."""
+        return gid in self._state.prepared or gid in self._settling or gid in self._staged
 
     def branch_ids(self, gid: str) -> list[str]:
         with self._lock:
@@ -291,6 +308,10 @@ class BranchOps(CursorBase):
         if gid in self._settling:
             self._lazy.flush()
             return
+        staged = self._staged.get(gid)
+        if staged is not None:  # staged for a carried commit whose answer was lost: recovery's
+            self.restore_carried(gid, staged.record)
+            return
         with self._lock:
             ids = self._state.branch_ids(gid)
         if ids:
@@ -318,6 +339,13 @@ class BranchOps(CursorBase):
             self._wait(ticket)  # only a lazy backlog past its bound waits (an fsync)
         finally:
             self._gate.exit_shared()
+        self._settle_when_durable(gid, ticket, on_durable)
+
+    def _settle_when_durable(
+        self, gid: str, ticket: Ticket, on_durable: Callable[[], None]
+    ) -> None:
+        """A lazy commit record of ``gid`` (in ``_settling``) was queued: once it is on disk the
+        gid stops counting as prepared and ``on_durable`` runs."""
 
         def durable_now() -> None:
             with self._lock:
@@ -336,6 +364,7 @@ class BranchOps(CursorBase):
         """Make the branch's messages available again, or move those delivered ``max_deliveries``
         times to their dead-letter queue; leave a tombstone (lazy ``R``). Returns the ids moved."""
         limit = self.max_deliveries if max_deliveries is None else max_deliveries
+        self.drop_staged(gid)
         with self._lock:
             back: list[str] = []
             moves: list[list[str]] = []
@@ -360,6 +389,7 @@ class BranchOps(CursorBase):
             self._append({"k": "F", "g": gid}, force=False)
 
     def prepared_gids(self) -> list[str]:
-        """Prepared branches, and those whose lazy commit record is not durable yet."""
+        """Prepared branches, those whose lazy commit record is not durable yet, and those
+        staged for a carried commit (recovery settles one whose commit's answer was lost)."""
         with self._lock:
-            return sorted({*self._state.prepared, *self._settling})
+            return sorted({*self._state.prepared, *self._settling, *self._staged})

@@ -21,18 +21,28 @@ pre-counted it), waiting on the cursor's condition up to ``timeout`` seconds.
 - **recover**: every prepared gid of this resource's name (and one whose lazy commit record is not
   durable yet). **forget** drops a tombstone.
 
+- **carried** (``rides_last_resource``, the default): in a transaction whose logging last
+  resource can carry it (`coordinator.carried`), the branch does not prepare: ``stage`` hands the
+  coordinator its commit record, which the database's decision row holds, and ``commit_carried``
+  applies it after that commit with one lazy record. The consumer then forces one write per
+  transaction, the database's commit. After a crash the cursor hands nothing out until the
+  node's recovery has restored what the crash lost (`._carried`).
+
 Crash points: ``cursor.<name>.after_receive`` (the message's count is durable, the message not
-yet returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``; in the `Cursor`,
-``cursor.after_precount`` and ``cursor.after_credited_take``.
+yet returned), ``cursor.<name>.after_prepare``, ``cursor.<name>.after_commit``,
+``cursor.<name>.after_carried_commit``, ``cursor.<name>.carried_durable``; in the `Cursor`,
+``cursor.after_precount``, ``cursor.after_credited_take`` and ``cursor.after_carriers``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from coordinator import (
     IllegalStateError,
+    InvalidXidError,
+    LogCorruptionError,
     Outcome,
     ProgrammingError,
     Vote,
@@ -46,6 +56,7 @@ from resource_managers.bookkeeping import Branches
 from resource_managers.message_log import validate_destination
 
 from ._cursor import Cursor
+from ._records import decode
 from ._topics import Subscription
 from ._values import DEFAULT_MAX_DELIVERIES, BranchRolledBack, Delivery
 
@@ -91,7 +102,11 @@ class CursorResource(Branches[ConsumerBranch]):
     ``lazy_commit`` (default True): in phase two the commit record (the deletion of the branch's
     messages) is not forced; the cursor's next forced record carries it (or an fsync of its own
     ``lazy_delay`` later), and the coordinator keeps its decision until then
-    (`coordinator.lazy_commit`). False: forced before the commit returns."""
+    (`coordinator.lazy_commit`). False: forced before the commit returns.
+
+    ``rides_last_resource`` (default True): in a transaction whose last resource can carry it,
+    the branch's commit record rides that resource's commit instead of a forced prepare
+    (`coordinator.carried`); False prepares as before."""
 
     _sub_branches = False  # a cursor's branches are its consumers', never another process's
 
@@ -103,11 +118,13 @@ class CursorResource(Branches[ConsumerBranch]):
         *,
         sort_key: str | None = None,
         lazy_commit: bool = True,
+        rides_last_resource: bool = True,
     ) -> None:
         if max_deliveries < 1:
             raise ProgrammingError("max_deliveries must be >= 1")
         super().__init__(name, sort_key)
         self.lazy_commit = lazy_commit
+        self.rides_last_resource = rides_last_resource
         self.cursor = cursor
         self.max_deliveries = max_deliveries
 
@@ -153,6 +170,50 @@ class CursorResource(Branches[ConsumerBranch]):
         """Lazy commit records durable now (`TransactionManager.close` calls this)."""
         self.cursor.flush_commits()
 
+    # -- carried by the last resource's commit (coordinator.carried) ------------------------------
+
+    def stage(self, xid: Xid) -> bytes | None:
+        """Phase one without a record: the branch's commit record, for the decision row."""
+        self._take(xid)
+        node = xid.node_id
+        if node is None:
+            raise IllegalStateError(f"{self._name}: {xid} names no coordinator node to carry it")
+        return self.cursor.stage(xid.to_gid(), node)
+
+    def commit_carried(self, xid: Xid, payload: bytes, on_durable: Callable[[], None]) -> None:
+        gid = self._check(xid).to_gid()
+        if not self.cursor.is_staged(gid):  # not staged in this process: as recovery would
+            self.restore_carried(xid, payload)
+            on_durable()
+            return
+        points = f"cursor.{self._name}"
+
+        def durable() -> None:
+            crash_point(f"{points}.carried_durable")
+            on_durable()
+
+        self.cursor.commit_carried(gid, durable, force=not self.lazy_commit)
+        crash_point(f"{points}.after_carried_commit")
+
+    def restore_carried(self, xid: Xid, payload: bytes) -> None:
+        try:
+            record = decode(payload)
+        except LogCorruptionError as exc:
+            raise InvalidXidError(f"{self._name}: {xid}'s carried payload is unreadable") from exc
+        if record["k"] != "C" or record["g"] != xid.to_gid() or "v" in record or "f" in record:
+            raise InvalidXidError(f"{self._name}: the carried payload is not {xid}'s")
+        self.cursor.restore_carried(record["g"], record)
+
+    def carried_gids(self) -> set[str]:
+        return {g for g in self.cursor.carried_gids() if _bqual(g) == self._name}
+
+    def forget_carried(self, gids: Collection[str]) -> None:
+        self.cursor.forget_carried(gids)
+
+    def carried_restored(self, node_id: str) -> None:
+        """Recovery of ``node_id`` restored every carried commit its rows hold for this cursor."""
+        self.cursor.carried_restored(node_id)
+
     def rollback(self, xid: Xid) -> Outcome | None:
         gid = self._check(xid).to_gid()
         self._drop(xid)
@@ -196,3 +257,10 @@ class CursorResource(Branches[ConsumerBranch]):
                 self.cursor.filter_counts()["out-of-order"]
             ),
         }
+
+
+def _bqual(gid: str) -> str | None:
+    try:
+        return Xid.from_gid(gid).bqual
+    except InvalidXidError:
+        return None

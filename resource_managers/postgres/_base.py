@@ -5,6 +5,7 @@ are every resource's (`resource_managers.bookkeeping.Branches`)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,8 @@ class PostgresBase(Branches[Branch]):
     _decision_name: str
     _ended: list[str]  # decision rows to delete with the next commit or cleanup
     _after_drop: dict[str, Callable[[], None]]  # gtrid -> what runs once its row is deleted
+    _epochs: dict[str, int]  # node -> this process's epoch of it (`LastResourceOps.fence_node`)
+    _fencing: threading.RLock  # one fence at a time
 
     def _release_expired(self) -> None:
         """Give back the connections of branches prepared longer than ``hold_prepared`` ago:

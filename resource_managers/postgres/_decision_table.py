@@ -21,6 +21,8 @@ from typing import Any
 
 #: a fence waiting this long on a commit still running gives up (and recovery retries later)
 LOCK_TIMEOUT_MS = 5000
+#: the text of the error a commit of a fenced node incarnation fails with
+FENCED_EPOCH = "twopc: a newer process fenced this node epoch"
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,14 @@ class DecisionTable:
     """Statements on one decision table; ``table`` is schema-qualified and quoted."""
 
     table: str
-    #: the table has the columns of carried branches (`coordinator.carried`)
+    #: this process may commit carried branches (`coordinator.carried`): the table has their
+    #: columns and ``epochs`` exists, usable by the role (the fence their commits check)
     carries: bool = False
+    #: the table of node incarnations (``<table>_epoch``), schema-qualified and quoted
+    epochs: str = ""
+    #: the table has the carried columns, so rows may hold payloads (of an earlier process,
+    #: even where this one may not commit them: recovery must still read and keep them)
+    columns: bool = False
 
     def ddl(self) -> str:
         return (
@@ -39,6 +47,23 @@ class DecisionTable:
             "written_at timestamptz NOT NULL DEFAULT now(), "
             "carried_names text[] NOT NULL DEFAULT '{}', carried bytea[] NOT NULL DEFAULT '{}')"
         )
+
+    def epochs_ddl(self) -> str:
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.epochs} (node_id text NOT NULL, "
+            "resource text NOT NULL, epoch bigint NOT NULL, PRIMARY KEY (node_id, resource))"
+        )
+
+    def fence_node(self, node_id: str, resource: str) -> tuple[str, list[Any]]:
+        """A new incarnation of ``node_id``'s commits through ``resource``: the update waits for
+        every commit that checked the old epoch (its ``FOR SHARE`` lock, held to its end), and
+        any commit that checks it afterwards fails (see `commit`). Returns the new epoch."""
+        sql = (
+            f"SELECT set_config('lock_timeout', '{LOCK_TIMEOUT_MS}', true); "
+            f"INSERT INTO {self.epochs} AS e (node_id, resource, epoch) VALUES (%s, %s, 1) "
+            "ON CONFLICT (node_id, resource) DO UPDATE SET epoch = e.epoch + 1 RETURNING epoch"
+        )
+        return sql, [node_id, resource]
 
     def add_carried_columns(self) -> str:
         """What a table made before carried branches needs."""
@@ -55,16 +80,35 @@ class DecisionTable:
         branches: tuple[str, ...],
         ended: list[str],
         carried: tuple[tuple[str, bytes], ...] = (),
+        *,
+        fence: tuple[str, int] | None = None,
     ) -> tuple[str, list[Any]]:
         """The decision row (with the payloads of the branches it carries), the deletion of rows
         whose transactions ended, and the COMMIT: one round trip, one server commit for the
-        branch's data and its decision."""
+        branch's data and its decision.
+
+        A row with payloads first checks ``fence`` (the resource's name and this process's
+        epoch of the node) under a ``FOR SHARE`` lock, so a recovery that fenced the node (a
+        restarted process, `fence_node`) either waits for this commit to end before it reads
+        the rows, or makes it fail (no row of this epoch: a cast of ``FENCED_EPOCH`` to an
+        integer, an error whose text says so; the cast depends on the count, so the planner
+        cannot fold it into an error of every commit). Without it a
+        commit the server was still running for a process that had died could land after the
+        restarted process read the rows: no prepared branch names it, so no abort row fences
+        it, and a store that cannot see the commit (the cursor, which then hands the messages
+        out again) would act on a row it never read."""
         params: list[Any] = [gtrid, node_id, list(branches)]
         if carried:
+            if fence is None:
+                raise ValueError("a commit with carried branches needs its node's fence")
             sql = (
+                f"SELECT CASE WHEN count(*) = 1 THEN 1 ELSE CAST('{FENCED_EPOCH} ' || count(*) "
+                f"AS int) END FROM (SELECT 1 FROM {self.epochs} WHERE node_id = %s "
+                "AND resource = %s AND epoch = %s FOR SHARE) AS fence; "
                 f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches, carried_names, "
                 "carried) VALUES (%s, %s, 'c', %s, %s, %s); "
             )
+            params = [node_id, *fence, *params]
             params += [[name for name, _ in carried], [payload for _, payload in carried]]
         else:
             sql = (

@@ -34,6 +34,7 @@ _UNDEFINED_OBJECT = "42704"
 _OBJECT_IN_USE = "55006"
 _FEATURE_NOT_SUPPORTED = "0A000"
 _UNIQUE_VIOLATION = "23505"
+_INVALID_TEXT = "22P02"
 _INSUFFICIENT_PRIVILEGE = "42501"
 #: serialization failure, deadlock, lock not available: the server advises a retry
 _RETRYABLE = ("40001", "40P01", "55P03")
@@ -80,6 +81,12 @@ def is_not_preparable(error: BaseException) -> bool:
 def is_unique_violation(error: BaseException) -> bool:
     """A duplicate key (SQLSTATE 23505): for a last resource, recovery's abort row."""
     return sqlstate(error) == _UNIQUE_VIOLATION
+
+
+def is_fenced_epoch(error: BaseException, text: str) -> bool:
+    """SQLSTATE 22P02 naming ``text``: for a last resource, the node epoch check of a fenced
+    incarnation (a cast of that text to an integer; a user's bad cast names its own value)."""
+    return sqlstate(error) == _INVALID_TEXT and text in str(error)
 
 
 def is_permission_denied(error: BaseException) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
-from coordinator import OutcomeUnknownError, ProgrammingError, Xid
+from coordinator import ConfigurationError, OutcomeUnknownError, ProgrammingError, Xid
 from coordinator.crashpoints import crash_point
 from coordinator.decision_log import Decision
 from coordinator.errors import FencedError
@@ -14,7 +14,7 @@ from coordinator.errors import FencedError
 from . import _errors
 from ._base import BranchFailed, PostgresBase
 from ._branch import Branch
-from ._decision_table import DecisionTable
+from ._decision_table import FENCED_EPOCH, DecisionTable
 
 
 class LastResourceOps(PostgresBase):
@@ -27,16 +27,38 @@ class LastResourceOps(PostgresBase):
         table = self._decision_table()
         if decision.carried and not table.carries:  # carries_branches() said no: a caller's bug
             raise ProgrammingError(f"{self._name}: its decision table cannot carry branches")
+        node = xid.node_id or ""
+        fence = (self._name, self._epoch_of(node)) if decision.carried else None
         with self._lock:
             ended, self._ended = self._ended, []
-        node = xid.node_id or ""
-        sql, params = table.commit(decision.gtrid, node, decision.branches, ended, decision.carried)
+        sql, params = table.commit(
+            decision.gtrid, node, decision.branches, ended, decision.carried, fence=fence
+        )
         try:
-            self.commit_carrying(xid, sql, params, fence=_errors.is_unique_violation)
+            self.commit_carrying(xid, sql, params, fence=_fenced, fenced=_FENCED)
         except BaseException:
             self._requeue(ended)
             raise
         self._dropped(ended)
+
+    def fence_node(self, node_id: str) -> int:
+        """Start this process's incarnation of ``node_id``'s carried commits through this
+        resource (`DecisionTable.fence_node`): waits for those of an earlier process that the
+        server is still running, and makes any later one of theirs fail. Once per process and
+        node, before its rows are first read (`carried_of`) or its first carried commit."""
+        with self._fencing:  # one fence at a time: two would fence this process itself
+            sql, params = self._decision_table().fence_node(node_id, self._name)
+            [(epoch,)] = self._pool.query(sql, params)
+            self._epochs[node_id] = int(epoch)
+        return int(epoch)
+
+    def _epoch_of(self, node_id: str) -> int:
+        epoch = self._epochs.get(node_id)
+        if epoch is not None:
+            return epoch
+        with self._fencing:  # the first commit and recovery's first read may race to fence
+            epoch = self._epochs.get(node_id)
+            return self.fence_node(node_id) if epoch is None else epoch
 
     def commit_carrying(
         self,
@@ -133,10 +155,21 @@ class LastResourceOps(PostgresBase):
         return table is not None and table.carries
 
     def carried_of(self, node_id: str) -> dict[str, dict[str, bytes]]:
+        """The rows with payloads, read only once the node is fenced: no commit of a process
+        that died can land after this read (`fence_node`)."""
         table = self._decision_table()
-        if not table.carries:
+        if not table.columns:
             return {}
+        if table.carries:
+            self._epoch_of(node_id)
         rows = self._pool.query(*table.carried_rows(node_id))
+        if rows and not table.carries:  # payloads of an earlier process, and no fence to read by
+            raise ConfigurationError(
+                f"{self._name}: {len(rows)} decision rows of node {node_id} carry branches, and "
+                f"they can be read safely only once this process can fence the node: have an "
+                f"administrator run {table.epochs_ddl()}; GRANT SELECT, INSERT, UPDATE ON "
+                f"{table.epochs} TO <role>. The rows are kept until then"
+            )
         return {
             str(gtrid): {str(n): bytes(p) for n, p in zip(names, payloads, strict=True)}
             for gtrid, names, payloads in rows
@@ -160,3 +193,15 @@ class LastResourceOps(PostgresBase):
         if table is None:
             raise ProgrammingError(f"{self._name} is not a last resource (last_resource=False)")
         return table
+
+
+_FENCED = (
+    "{gtrid} was fenced before its last resource could commit (recovery presumed it aborted, "
+    "or a newer process of its coordinator node took over its carried commits)"
+)
+
+
+def _fenced(error: BaseException) -> bool:
+    """The decision row's guard refused the commit: recovery's abort row (a unique violation),
+    or a newer incarnation of the node (the epoch check's error)."""
+    return _errors.is_unique_violation(error) or _errors.is_fenced_epoch(error, FENCED_EPOCH)

@@ -56,7 +56,8 @@ def look_up(pool: Pooled, driver: Driver, name: str, tables: Tables) -> ServerFa
                     driver, connection, name, marker, ddl=_marker_ddl(marker), what="outcome marker"
                 )
             if tables.decision:
-                decisions = DecisionTable(f'"{schema}"."{tables.decision}"')
+                table = f'"{schema}"."{tables.decision}'
+                decisions = DecisionTable(f'{table}"', epochs=f'{table}_epoch"')
                 _ensure(
                     driver, connection, name, decisions.table, ddl=decisions.ddl(), what="decision"
                 )
@@ -66,7 +67,16 @@ def look_up(pool: Pooled, driver: Driver, name: str, tables: Tables) -> ServerFa
     return pool.once_more(look)
 
 
-def _ensure(driver: Driver, connection: Any, name: str, table: str, *, ddl: str, what: str) -> None:
+def _ensure(
+    driver: Driver,
+    connection: Any,
+    name: str,
+    table: str,
+    *,
+    ddl: str,
+    what: str,
+    grants: str = "SELECT, INSERT, DELETE",
+) -> None:
     """Create one of our tables if it is missing, or say exactly what an admin must run.
 
     Looked up first, because ``CREATE TABLE IF NOT EXISTS`` needs the CREATE privilege on the
@@ -83,7 +93,7 @@ def _ensure(driver: Driver, connection: Any, name: str, table: str, *, ddl: str,
                 raise ConfigurationError(
                     f"{name}: the role may not create the {what} table "
                     f"({_errors.describe(exc)}); have an administrator run: {ddl}; "
-                    f"GRANT SELECT, INSERT, DELETE ON {table} TO <role>"
+                    f"GRANT {grants} ON {table} TO <role>"
                 ) from exc
             # two processes creating it at once: one wins, the other sees a unique violation
             if attempt == 2 or _errors.is_unreachable(exc):
@@ -93,19 +103,33 @@ def _ensure(driver: Driver, connection: Any, name: str, table: str, *, ddl: str,
 def _with_carried_columns(
     driver: Driver, connection: Any, name: str, decisions: DecisionTable
 ) -> DecisionTable:
-    """The table, able to carry branches (`coordinator.carried`) if it has the columns. A table
-    made by an earlier version gets them added; where the role may not, the resource works as
-    before (every other branch prepares) and the log says what an administrator can run."""
+    """The table, able to carry branches (`coordinator.carried`) if it has the columns and its
+    node epoch table exists. A table made by an earlier version gets them added; where the role
+    may not, the resource works as before (every other branch prepares) and the log says what an
+    administrator can run."""
     found = driver.query(
         connection,
         "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
         "AND attname IN ('carried_names', 'carried') AND NOT attisdropped",
         [decisions.table],
     )[0][0]
-    if int(found) == 2:
-        return DecisionTable(decisions.table, carries=True)
+    columns = int(found) == 2
     try:
-        driver.run(connection, decisions.add_carried_columns())
+        if not columns:
+            driver.run(connection, decisions.add_carried_columns())
+            columns = True
+        _ensure(
+            driver, connection, name, decisions.epochs, ddl=decisions.epochs_ddl(),
+            what="node epoch", grants="SELECT, INSERT, UPDATE",
+        )  # fmt: skip
+        privileges = driver.query(
+            connection, "SELECT has_table_privilege(%s, 'SELECT, INSERT, UPDATE')",
+            [decisions.epochs],
+        )  # fmt: skip
+        if not privileges[0][0]:
+            raise ConfigurationError(
+                f"{name}: the role may not use the node epoch table {decisions.epochs}"
+            )
     except Exception as exc:
         if _errors.is_unreachable(exc):
             raise
@@ -115,10 +139,11 @@ def _with_carried_columns(
             name,
             decisions.table,
             _errors.describe(exc),
-            decisions.add_carried_columns(),
+            f"{decisions.add_carried_columns()}; {decisions.epochs_ddl()}; GRANT SELECT, "
+            f"INSERT, UPDATE ON {decisions.epochs} TO <role>",
         )
-        return decisions
-    return DecisionTable(decisions.table, carries=True)
+        return DecisionTable(decisions.table, epochs=decisions.epochs, columns=columns)
+    return DecisionTable(decisions.table, carries=True, epochs=decisions.epochs, columns=True)
 
 
 def _marker_ddl(table: str) -> str:

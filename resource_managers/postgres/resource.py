@@ -203,6 +203,9 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         self._ended: list[str] = []  # decision rows to delete with the next commit or cleanup
         #: what runs once an ended row's deletion committed (`LastResourceOps.end_decision`)
         self._after_drop: dict[str, Callable[[], None]] = {}
+        #: node -> this process's epoch of it, for commits that carry branches (`fence_node`)
+        self._epochs: dict[str, int] = {}
+        self._fencing = threading.RLock()
 
     @property
     def last_resource(self) -> bool:

@@ -446,16 +446,19 @@ CONSUMER_WORKER = Path(__file__).resolve().parents[1] / "crash" / "cursor_worker
 #: record is lazy unless --durable-commit: the early points lose it in the kill and recovery
 #: commits the branch again from the decision (the decision log's COMMIT record, or with --llr
 #: the database's decision row); the later ones die once it is on disk, before the decision ends.
+#: With --llr the cursor's branch rides the database's commit unless --no-carry: these rows are
+#: the prepared path; `test_cursor_carried.py` kills the carried one.
+PREPARED_LLR = ("--llr", "--no-carry")
 CONSUMER_KILLS = [
     ("cursor.cursor.after_prepare", (), False),
-    ("cursor.cursor.after_prepare", ("--llr",), False),
+    ("cursor.cursor.after_prepare", PREPARED_LLR, False),
     ("cursor.cursor.after_commit", ("--durable-commit",), True),
     ("cursor.cursor.after_lazy_commit", (), True),
-    ("cursor.cursor.after_lazy_commit", ("--llr",), True),
-    ("tm.end_deferred", ("--llr",), True),
+    ("cursor.cursor.after_lazy_commit", PREPARED_LLR, True),
+    ("tm.end_deferred", PREPARED_LLR, True),
     ("cursor.cursor.commit_durable", (), True),
-    ("cursor.cursor.commit_durable", ("--llr",), True),
-    ("tm.before_deferred_end", ("--llr",), True),
+    ("cursor.cursor.commit_durable", PREPARED_LLR, True),
+    ("tm.before_deferred_end", PREPARED_LLR, True),
 ]
 
 
