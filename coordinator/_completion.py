@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NoReturn, cast
 from . import _last_resource, protocol, tracing
 from ._verbs import BATCH, LAZY, SEND, verbs_of_branches
 from .batch_commit import batch_committer, batches
-from .carried import carries, rides
+from .carried import carries, rides, rides_branch
 from .crashpoints import crash_point
 from .decision_log import Decision, DecisionLog, HeuristicRecord
 from .early_prepare import send_prepare, senders
@@ -267,10 +267,15 @@ def _two_phase_last(tx: Transaction, last: Branch) -> Outcome:
     it with a lazy record, which the end latch waits for before the row may go."""
     started = time.perf_counter()
     others = [b for b in tx.ordered_branches() if b is not last]
-    riders = [b for b in others if rides(b.resource)] if carries(last.resource) else []
+    riders = (
+        [b for b in others if rides(b.resource) and rides_branch(b.resource, b.xid)]
+        if carries(last.resource)
+        else []
+    )
     carried: list[tuple[str, bytes]] = []
     if riders:
-        others = [b for b in others if not rides(b.resource)]
+        riding = {id(b) for b in riders}
+        others = [b for b in others if id(b) not in riding]
         failure = _stage(tx, riders, carried)
         if failure is not None:
             names = [b.resource.name for b in (*riders, *others)]

@@ -38,6 +38,8 @@ The store's contract (`rides` tells whether a resource has it):
 ``forget_carried(gids)``
     Their rows are gone: stop remembering them (a lazy record; a lost one is forgotten again by
     the next recovery pass).
+``rides_branch(xid) -> bool`` (optional)
+    False: this branch prepares instead (its payload would be large); asked before staging.
 """
 
 from __future__ import annotations
@@ -124,6 +126,14 @@ class ForgetGate:
 def rides(resource: object) -> TypeGuard[CarriedBranches]:
     """True for a store that offers ``stage`` and has not been told not to ride."""
     return bool(verbs_of(resource) & CARRY) and getattr(resource, "rides_last_resource", False)
+
+
+def rides_branch(resource: CarriedBranches, xid: Xid) -> bool:
+    """Whether this branch of a riding store rides: a store may prepare a branch whose payload
+    would cost the last resource more than its own prepare record (``rides_branch(xid)``,
+    optional; the message log's large branches)."""
+    choose = getattr(resource, "rides_branch", None)
+    return True if choose is None else bool(choose(xid))
 
 
 def holds(resource: object) -> TypeGuard[CarryingLastResource]:

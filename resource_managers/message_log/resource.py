@@ -47,6 +47,10 @@ from ._options import SendKwargs, SendOptions
 from ._records import Message, decode, to_message
 from ._validation import InvalidMessageError, outgoing
 
+#: a producer branch whose message bodies add up to more prepares instead of riding (see
+#: `MessageLogResource`)
+DEFAULT_CARRY_BYTES = 8 * 1024
+
 if TYPE_CHECKING:  # Unpack is in typing from Python 3.11
     from typing_extensions import Unpack
 
@@ -167,7 +171,13 @@ class MessageLogResource(Branches[ProducerBranch]):
     (a PostgreSQL last resource, `coordinator.carried`), the branch writes no prepare record:
     its messages travel in the last resource's decision row, committed with the application's
     rows, and the log commits them after it with one lazy record. One forced write per
-    transaction instead of two. False: the branch prepares as with any other coordinator."""
+    transaction instead of two. False: the branch prepares as with any other coordinator.
+
+    ``carry_bytes`` (default 8 KiB): a branch whose message bodies add up to more prepares
+    instead of riding. A payload travels through the database as a ``bytea`` (written to its
+    WAL and its TOAST table, deleted again later), which costs more than the log's own group-
+    committed prepare record once it holds more than a few kilobytes (`bench/messaging.py` at
+    100 messages per transaction)."""
 
     def __init__(
         self,
@@ -177,10 +187,14 @@ class MessageLogResource(Branches[ProducerBranch]):
         sort_key: str | None = None,
         lazy_commit: bool = True,
         rides_last_resource: bool = True,
+        carry_bytes: int = DEFAULT_CARRY_BYTES,
     ):
         super().__init__(name, sort_key)
+        if isinstance(carry_bytes, bool) or not isinstance(carry_bytes, int) or carry_bytes < 0:
+            raise ProgrammingError(f"carry_bytes must be an int >= 0, not {carry_bytes!r}")
         self.lazy_commit = lazy_commit
         self.rides_last_resource = rides_last_resource
+        self.carry_bytes = carry_bytes
         self.log = log
 
     def __repr__(self) -> str:
@@ -206,6 +220,18 @@ class MessageLogResource(Branches[ProducerBranch]):
         return vote
 
     # -- carried by the last resource's commit (coordinator.carried) ------------------------------
+
+    def rides_branch(self, xid: Xid) -> bool:
+        """Whether this branch rides (its bodies within ``carry_bytes``) or prepares."""
+        branch = self._get(xid)
+        if branch is None:  # not active here: prepare answers for it
+            return False
+        total = 0
+        for message in branch.messages:
+            total += len(message.body)
+            if total > self.carry_bytes:
+                return False
+        return True
 
     def stage(self, xid: Xid) -> bytes | None:
         """Phase one without a record: the checks of `prepare`, the messages kept in memory."""

@@ -118,6 +118,7 @@ def _with_carried_columns(
         if not columns:
             driver.run(connection, decisions.add_carried_columns())
             columns = True
+        _store_plainly(driver, connection, decisions)
         _ensure(
             driver, connection, name, decisions.epochs, ddl=decisions.epochs_ddl(),
             what="node epoch", grants="SELECT, INSERT, UPDATE",
@@ -144,6 +145,30 @@ def _with_carried_columns(
         )
         return DecisionTable(decisions.table, epochs=decisions.epochs, columns=columns)
     return DecisionTable(decisions.table, carries=True, epochs=decisions.epochs, columns=True)
+
+
+def _store_plainly(driver: Driver, connection: Any, decisions: DecisionTable) -> None:
+    """A table made by an earlier version gets its payloads stored without compression, where
+    the role may alter it and the lock comes at once (a catalog change; otherwise it is only
+    slower)."""
+    found = driver.query(
+        connection,
+        "SELECT attstorage FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+        "AND attname = 'carried' AND NOT attisdropped",
+        [decisions.table],
+    )
+    if not found or found[0][0] == "e":
+        return
+    try:  # one implicit transaction: the timeout is local to it
+        driver.run(
+            connection,
+            f"SELECT set_config('lock_timeout', '1000', true); "
+            f"{decisions.store_payloads_plainly()}",
+        )
+    except Exception as exc:
+        if _errors.is_unreachable(exc):
+            raise
+        log.info("%s: decision payloads stay compressed (%s)", decisions.table, exc)
 
 
 def _marker_ddl(table: str) -> str:

@@ -23,6 +23,7 @@ from coordinator import (
     IllegalStateError,
     LogCorruptionError,
     Outcome,
+    ProgrammingError,
     TransactionManager,
     TransactionRolledBack,
     Vote,
@@ -104,6 +105,35 @@ def test_atomicity_commit_publishes_in_commit_order(
     assert mlog.pending("orders")[0][1].headers == {"tid": "t0"}
     assert transfer_ids(engine) == {"t0", "t1", "t2"}
     assert prepared_gids(engine) == [] and mlog.prepared_gids() == []
+
+
+def test_a_branch_over_carry_bytes_prepares_and_one_within_rides(
+    engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager]
+) -> None:
+    """With a PostgreSQL last resource, a branch whose bodies exceed ``carry_bytes`` prepares
+    (a forced ``P``; its decision row carries nothing) and a smaller one rides the row."""
+    db = PostgresResource(engine, "db", last_resource=True)
+    mr = MessageLogResource(mlog, carry_bytes=100)
+    tm = make_manager(managers, [db, mr])
+    for bodies_ in ([b"s" * 60], [b"b" * 60, b"c" * 60]):
+        forced = mlog.stats().forced_records
+        with tm.transaction() as tx:
+            tx.join(db).execute(sa.text("INSERT INTO transfers (id, amount) VALUES (:t, 1)"),
+                                {"t": bodies_[0].decode()[:1]})  # fmt: skip
+            for body in bodies_:
+                tx.join(mr).send("orders", body)
+        with engine.connect() as conn:
+            carried = conn.execute(sa.text(
+                "SELECT cardinality(carried_names) FROM twopc_decision_row "
+                "WHERE outcome = 'c' ORDER BY written_at DESC LIMIT 1"
+            )).scalar_one()  # fmt: skip
+        assert (mlog.stats().forced_records - forced, carried) == (
+            (0, 1) if len(bodies_) == 1 else (1, 0)
+        )
+    assert [b for _, b in bodies(mlog, "orders")] == [b"s" * 60, b"b" * 60, b"c" * 60]
+    assert transfer_ids(engine) == {"s", "b"} and mlog.prepared_gids() == []
+    with pytest.raises(ProgrammingError):
+        MessageLogResource(mlog, carry_bytes=-1)
 
 
 def test_publish_listeners_hear_every_publish_and_cannot_fail_one(

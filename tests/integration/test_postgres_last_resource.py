@@ -257,6 +257,15 @@ def test_a_decision_table_from_before_carried_branches_gets_their_columns(
                 )
             ).scalars()
             assert {"carried", "carried_names"} <= set(columns)
+            # its payloads kept out of line uncompressed, and the node epoch table made
+            storage = conn.execute(
+                text(
+                    "SELECT attstorage FROM pg_attribute WHERE attname = 'carried' "
+                    "AND attrelid = to_regclass('twopc_decision_row')"
+                )
+            ).scalar_one()
+            assert storage == "e"
+            assert conn.execute(text("SELECT to_regclass('twopc_decision_row_epoch')")).scalar()
     finally:
         engine.dispose()
 
