@@ -175,14 +175,11 @@ def _cursor_resource(mode: str, cursor: Cursor) -> CursorResource:
     return CursorResource(cursor, "cursor", rides_last_resource=mode != "exactly-once-prepared")
 
 
-def node_id(role: str, workdir: Path) -> str:
-    """A coordinator node id of its own per row: each row's stores are new, so a row must not
-    inherit an earlier row's decision rows (recovery would hand their payloads to the new
-    stores, or keep them as naming stores it cannot find)."""
-    return f"{role}-{workdir.name[-8:]}"
-
-
-def _manager(node: str, workdir: Path, resources: list[Any]) -> TransactionManager:
+def _manager(role: str, workdir: Path, resources: list[Any]) -> TransactionManager:
+    """A manager whose node id is ``role`` and the row's own suffix: each row's stores are new,
+    so a row must not inherit an earlier row's decision rows (recovery would hand their payloads
+    to the new stores, or keep them as naming stores it cannot find)."""
+    node = f"{role}-{workdir.name[-8:]}"
     return TransactionManager(
         node,
         FileDecisionLog(workdir / f"{node}-txlog"),
@@ -208,7 +205,7 @@ def consumer_main(  # noqa: PLR0917 - a Process target takes positional argument
     cur_res = _cursor_resource(mode, cursor)
     pg = _pg(mode, engine)
     resources: list[Any] = [cur_res, pg] if mode in TWO_PHASE else [cur_res]
-    tm = _manager(node_id("bench-consumer", workdir), workdir, resources)
+    tm = _manager("bench-consumer", workdir, resources)
     pipe.send(listener.address)
     latencies: list[float] = []
     rounds = 0
@@ -257,7 +254,7 @@ def producer_main(  # noqa: PLR0917 - a Process target takes positional argument
     log_res = _log_resource(mode, mlog)
     pg = _pg(mode, engine)
     resources: list[Any] = [log_res, pg] if mode in TWO_PHASE else [log_res]
-    tm = _manager(node_id("bench-producer", workdir), workdir, resources)
+    tm = _manager("bench-producer", workdir, resources)
     batches = list(base._Run(per_tx, total).batches())  # the baselines' ids and bodies
     pipe.send("ready")
     pipe.recv()  # go

@@ -212,11 +212,9 @@ class Pipeline:
         self.log_res = bm._log_resource(mode, self.mlog)
         self.cur_res = bm._cursor_resource(mode, self.cursor)
         self.p_pg, self.c_pg = bm._pg(mode, p_engine), bm._pg(mode, c_engine)
-        self.tm_p = bm._manager(bm.node_id("bench-producer", workdir), workdir,
-                                [self.log_res, self.p_pg])  # fmt: skip
+        self.tm_p = bm._manager("bench-producer", workdir, [self.log_res, self.p_pg])
         stack.callback(self.tm_p.close)
-        self.tm_c = bm._manager(bm.node_id("bench-consumer", workdir), workdir,
-                                [self.cur_res, self.c_pg])  # fmt: skip
+        self.tm_c = bm._manager("bench-consumer", workdir, [self.cur_res, self.c_pg])
         stack.callback(self.tm_c.close)
         self.prefix = uuid.uuid4().hex[:12]
         self.sent = 0

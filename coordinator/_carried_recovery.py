@@ -63,6 +63,7 @@ def restore_carried(run: Pass, lasts: list[LastResource]) -> set[str] | None:
             run.failed(f"carried:{getattr(holder, 'name', '?')}", exc)
             return None
     keep: set[str] = set()
+    restored_all = True  # every row not in flight restored (or already there)
     for gtrid, carried in sorted(rows.items()):
         if run.in_flight(gtrid):  # its own phase two applies it
             keep.add(gtrid)
@@ -70,10 +71,11 @@ def restore_carried(run: Pass, lasts: list[LastResource]) -> set[str] | None:
         for name, payload in carried.items():
             if not _restore_one(run, gtrid, name, payload, remembered):
                 keep.add(gtrid)
+                restored_all = False
     live = {Xid.branch_of(g, n).to_gid() for g, carried in rows.items() for n in carried}
     for rider in riders:
         _forget(run, rider, remembered[rider.name] - live)
-    if not keep - {g for g in rows if run.in_flight(g)}:  # every row restored or in flight
+    if restored_all:
         for rider in riders:
             _restored(run, rider)
     return keep

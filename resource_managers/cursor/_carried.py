@@ -62,24 +62,19 @@ class CarriedOps(CursorBase):
         node whose decision rows carry it (forced once into ``O`` before its first payload)."""
         with self._lock:
             self._refuse_stage_locked(gid)
-            if not self._state.handed.get(gid):
-                return None
-        self._mark_carrier(node)
-        with self._lock:
-            self._refuse_stage_locked(gid)
-            ids = list(self._state.handed.get(gid, ()))
+            ids = self._state.handed.get(gid)
             if not ids:
                 return None
-            volatile = any(
-                not self._state.entries[k].message.persistent
-                for k in ids
-                if k in self._state.entries
-            )
+            entries = self._state.entries
+            volatile = any(not entries[k].message.persistent for k in ids if k in entries)
+        self._mark_carrier(node)
         if volatile:  # a lazily written non-persistent arrival must be on disk before the row
             self._flush_journal()
         with self._lock:
             self._refuse_stage_locked(gid)
             ids = list(self._state.handed.get(gid, ()))
+            if not ids:
+                return None
             record: dict[str, Any] = {"k": "C", "g": gid, "i": ids}
             taken = Counter(self._state.entries[k].queue for k in ids if k in self._state.entries)
             keys = self._carried_window(dict(taken), ids)
@@ -89,7 +84,7 @@ class CarriedOps(CursorBase):
             credit = _precount.grant(self._state, keys)
             if credit is not None:
                 credit.carried = True
-            self._staged[gid] = StagedBranch(record, payload, credit)
+            self._staged[gid] = StagedBranch(record, credit)
         return payload
 
     def _refuse_stage_locked(self, gid: str) -> None:
@@ -121,11 +116,8 @@ class CarriedOps(CursorBase):
         ]  # fmt: skip
 
     def _arriving_locked(self) -> set[str]:
-        """Keys whose lazy ``M`` is not on disk yet (arrivals complete in journal order)."""
-        queue = self._arrivals
-        while queue and queue[0][0].done:
-            queue.popleft()
-        return {key for _, keys in queue for key in keys}
+        """Keys whose lazy ``M`` is not on disk yet."""
+        return {key for _, keys in drop_durable(self._arrivals) for key in keys}
 
     def _mark_carrier(self, node: str) -> None:
         """Force ``O`` with ``node`` added, unless it is there already."""
@@ -251,6 +243,11 @@ class CarriedOps(CursorBase):
             log.warning("cursor %s: carriers not cleared: %s", self.directory, exc)
 
 
-def new_arrivals() -> deque[tuple[Ticket, list[str]]]:
-    """The lazy ``M`` batches not known durable, oldest first, with the keys they made."""
-    return deque()
+def drop_durable(
+    arrivals: deque[tuple[Ticket, list[str]]],
+) -> deque[tuple[Ticket, list[str]]]:
+    """``arrivals`` (lazy ``M`` batches, oldest first) less those now on disk: they complete in
+    journal order, so only the head need be looked at."""
+    while arrivals and arrivals[0][0].done:
+        arrivals.popleft()
+    return arrivals

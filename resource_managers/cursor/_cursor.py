@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -32,7 +32,7 @@ from coordinator.journal import (
 from resource_managers.sequencing import StreamFilter
 
 from ._base import log
-from ._carried import CarriedOps, new_arrivals
+from ._carried import CarriedOps
 from ._dead_letters import DeadLetterOps
 from ._dispatch import DispatchOps
 from ._intake import Intake
@@ -102,7 +102,7 @@ class Cursor(Intake, CarriedOps, BranchOps, SubscriptionOps, DispatchOps, DeadLe
         self._lazy = LazyWatch(self._journal, delay=lazy_delay, name=f"cursor {directory}")
         self._settling = set()  # gids whose lazy commit record is not durable yet
         self._last_accept = None  # the newest lazy M record (`deliver_lazily`)
-        self._staged, self._forgetting, self._arrivals = {}, set(), new_arrivals()
+        self._staged, self._forgetting, self._arrivals = {}, set(), deque()
         self._carrier_lock, self._closing = threading.Lock(), False
         #: a crash may have lost carried commits of these nodes: nothing goes out until their
         #: recovery restored them (`._carried`)

@@ -25,6 +25,7 @@ from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter, str
 
 from . import _precount
 from ._base import CursorBase
+from ._carried import drop_durable
 from ._records import message_obj
 from ._topics import is_topic
 from ._values import LogFencedError
@@ -119,10 +120,8 @@ class Intake(CursorBase):
         order, apply them, and grant the pre-counts they carry (pending until it is on disk)."""
         fresh = [self._fresh_arrival(r) for r in records]
         self._last_accept = self._submit_many_locked(records)
-        arrivals = self._arrivals  # for a carried branch's pre-counts (`._carried`)
-        while arrivals and arrivals[0][0].done:
-            arrivals.popleft()
-        arrivals.append((self._last_accept, [r["o"]["i"] for r in records]))
+        # for a carried branch's pre-counts (`._carried`)
+        drop_durable(self._arrivals).append((self._last_accept, [r["o"]["i"] for r in records]))
         keys = [
             key for record, new in zip(records, fresh, strict=True)
             for key in self._arrived(record, new)

@@ -63,14 +63,13 @@ class Credit:
 
 
 class StagedBranch:
-    """A branch staged for a carried commit: its ``C`` record (without ``v``), the payload that
-    encodes it, and the credits its pre-counts granted (pending until the commit point)."""
+    """A branch staged for a carried commit: its ``C`` record (without ``v``; the payload is its
+    encoding) and the credits its pre-counts granted (pending until the commit point)."""
 
-    __slots__ = ("credit", "payload", "record")
+    __slots__ = ("credit", "record")
 
-    def __init__(self, record: dict[str, Any], payload: bytes, credit: Credit | None) -> None:
+    def __init__(self, record: dict[str, Any], credit: Credit | None) -> None:
         self.record = record
-        self.payload = payload
         self.credit = credit
 
 

@@ -205,7 +205,7 @@ class CursorResource(Branches[ConsumerBranch]):
         self.cursor.restore_carried(record["g"], record)
 
     def carried_gids(self) -> set[str]:
-        return {g for g in self.cursor.carried_gids() if _bqual(g) == self._name}
+        return {x.to_gid() for x in branches_of(self.cursor.carried_gids(), self._name)}
 
     def forget_carried(self, gids: Collection[str]) -> None:
         self.cursor.forget_carried(gids)
@@ -257,10 +257,3 @@ class CursorResource(Branches[ConsumerBranch]):
                 self.cursor.filter_counts()["out-of-order"]
             ),
         }
-
-
-def _bqual(gid: str) -> str | None:
-    try:
-        return Xid.from_gid(gid).bqual
-    except InvalidXidError:
-        return None

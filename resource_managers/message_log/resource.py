@@ -264,7 +264,7 @@ class MessageLogResource(Branches[ProducerBranch]):
         self.log.restore_carried(record["g"], [to_message(m) for m in record["m"]])
 
     def carried_gids(self) -> set[str]:
-        return {g for g in self.log.carried_gids() if _bqual(g) == self._name}
+        return {x.to_gid() for x in branches_of(self.log.carried_gids(), self._name)}
 
     def forget_carried(self, gids: Collection[str]) -> None:
         self.log.forget_carried(gids)
@@ -373,13 +373,6 @@ class MessageLogResource(Branches[ProducerBranch]):
             f"mlog_{self._name}_pending": lambda: float(self.log.stats().pending),
             f"mlog_{self._name}_prepared": lambda: float(self.log.stats().prepared),
         }
-
-
-def _bqual(gid: str) -> str | None:
-    try:
-        return Xid.from_gid(gid).bqual
-    except InvalidXidError:
-        return None
 
 
 def _nothing() -> None:
