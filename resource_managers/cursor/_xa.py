@@ -362,10 +362,14 @@ class BranchOps(CursorBase):
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
         """Make the branch's messages available again, or move those delivered ``max_deliveries``
-        times to their dead-letter queue; leave a tombstone (lazy ``R``). Returns the ids moved."""
+        times to their dead-letter queue; leave a tombstone (``R``). Returns the ids moved. The
+        ``R`` is forced for a branch whose prepare is on disk: the coordinator forgets the
+        transaction once this returns, so a crash that lost the record would bring the branch
+        back prepared, its messages held, with no one left to ask about it. Lazy otherwise."""
         limit = self.max_deliveries if max_deliveries is None else max_deliveries
         self.drop_staged(gid)
         with self._lock:
+            durable = gid in self._state.prepared
             back: list[str] = []
             moves: list[list[str]] = []
             for mid in self._state.branch_ids(gid):
@@ -378,7 +382,7 @@ class BranchOps(CursorBase):
                     moves.append([mid, reason])
                 else:
                     back.append(mid)
-        self._append({"k": "R", "g": gid, "t": self._clock(), "i": back, "x": moves}, False)
+        self._append({"k": "R", "g": gid, "t": self._clock(), "i": back, "x": moves}, durable)
         with self._lock:
             self.changed.notify_all()
         self._compaction.maybe()

@@ -266,12 +266,16 @@ class BranchOps(LogBase):
                 log.exception("message log %s: a publish listener failed", self.directory)
 
     def rollback(self, gid: str) -> None:
-        """Discard a branch and leave its tombstone (a lazy record: a crash loses nothing that
-        matters, since a crash also loses every unprepared branch it could refuse)."""
+        """Discard a branch and leave its tombstone. Forced for a branch whose prepare is on
+        disk: the coordinator forgets a rolled-back transaction once this returns (presumed
+        abort keeps no record of it), so a crash that lost the tombstone would bring the branch
+        back prepared with no one left to ask about it. Lazy otherwise: a crash loses nothing
+        that matters, since it also loses every unprepared branch the tombstone could refuse."""
         with self._lock:
             volatile = self._volatile_prepared.pop(gid, [])
             self._hold_locked(volatile, -1)
-        self._append([{"k": "R", "g": gid, "t": self._clock()}], force=False)
+            durable = gid in self._state.prepared
+        self._append([{"k": "R", "g": gid, "t": self._clock()}], force=durable)
 
     def forget(self, gid: str) -> None:
         if gid in self._state.tombstones:

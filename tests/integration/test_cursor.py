@@ -226,6 +226,32 @@ def test_rollback_redelivers_in_place_with_the_count_raised(
         assert available(c) == [b"b"]
 
 
+def test_the_rollback_of_a_prepared_branch_survives_a_crash(curdir: Path) -> None:
+    """The coordinator forgets a rolled-back transaction once the rollback returns, so the
+    cursor's ``R`` of a prepared branch must be on disk by then: a crash right after must not
+    bring the branch back prepared, its message held, with no one left to ask about it."""
+    with Cursor(curdir) as c:
+        feed(c, b"a")
+    script = textwrap.dedent(
+        f"""
+        import os
+        from coordinator import Xid
+        from resource_managers.cursor import Cursor, CursorResource
+        c = Cursor({str(curdir)!r})
+        cr = CursorResource(c)
+        xid = Xid.branch_of("node-1:rb-1", cr.name)
+        assert cr.start(xid).receive("orders", timeout=0).body == b"a"
+        assert cr.prepare(xid).value == "commit"
+        cr.rollback(xid)
+        os._exit(0)  # no close: a crash as far as the cursor can tell
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True)
+    with Cursor(curdir) as c:
+        assert c.prepared_gids() == [] and available(c) == [b"a"]
+        assert [d.delivery_count for d in c.available("orders")] == [1]
+
+
 def test_past_max_deliveries_the_message_moves_to_the_dead_letter_queue(
     curdir: Path, managers: list[TransactionManager]
 ) -> None:

@@ -366,6 +366,31 @@ def test_non_persistent_messages_skip_fsync_and_vanish_in_a_crash(logdir: Path) 
         assert bodies(log, "news#np") == [(1, b"new")]
 
 
+def test_the_rollback_of_a_prepared_branch_survives_a_crash(logdir: Path) -> None:
+    """The coordinator forgets a rolled-back transaction once the rollback returns, so the log's
+    tombstone of a prepared branch must be on disk by then: a crash right after must not bring
+    the branch back prepared with no one left to ask about it. An unprepared branch's may be
+    lost (the crash loses the branch too)."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        from coordinator import Xid
+        from resource_managers.message_log import MessageLog, MessageLogResource
+        log = MessageLog({str(logdir)!r})
+        mr = MessageLogResource(log)
+        xid = Xid.branch_of("node-1:rb-1", mr.name)
+        mr.start(xid).send("orders", b"never")
+        assert mr.prepare(xid).value == "commit"
+        mr.rollback(xid)
+        os._exit(0)  # no close: a crash as far as the log can tell
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True)
+    with MessageLog(logdir) as log:
+        assert log.prepared_gids() == [] and log.pending("orders") == []
+        assert log.stats().tombstones == 1
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
