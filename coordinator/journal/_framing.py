@@ -23,6 +23,7 @@ import binascii
 import struct
 from dataclasses import dataclass
 
+from coordinator.checksum import crc32
 from coordinator.errors import LogCorruptionError
 
 MAGIC = b"\xfe\xd1"
@@ -43,16 +44,11 @@ _LENGTH = struct.Struct("<I")
 
 
 def encode_frame(payload: bytes) -> bytes:
-    """Frame one payload; the caller has already checked its size against the limit.
-
-    The checksum is ``binascii.crc32``, not ``zlib.crc32``: the same CRC-32, but zlib's releases
-    the GIL for buffers over 5 KiB, and a store's record of a 100-message transaction is ~50 KiB.
-    The thread writing it (the one a commit waits on) then had to win the GIL back from a busy
-    transfer or consumer thread: 150 us instead of 19 for 50 KiB on this 2-core machine, and up to
-    a switch interval (5 ms) at worst (``bench/messaging_profile.py`` showed it as crc32's time).
-    """
+    """Frame one payload; the caller has already checked its size against the limit. The
+    checksum keeps the GIL (`coordinator.checksum`): a store's record of a 100-message
+    transaction is ~50 KiB, and the thread writing it is the one a commit waits on."""
     length = _LENGTH.pack(len(payload))
-    crc = binascii.crc32(payload, binascii.crc32(length))
+    crc = crc32(payload, binascii.crc32(length))
     return FRAME_HEADER.pack(MAGIC, len(payload), crc) + payload
 
 
@@ -73,7 +69,7 @@ def payload_problem(header: bytes, payload: bytes) -> str | None:
     _, length, crc = FRAME_HEADER.unpack(header)
     if len(payload) < length:
         return f"record of {length} bytes runs past end of file ({len(payload)} bytes present)"
-    if binascii.crc32(payload, binascii.crc32(_LENGTH.pack(length))) != crc:
+    if crc32(payload, binascii.crc32(_LENGTH.pack(length))) != crc:
         return "checksum mismatch"
     return None
 
