@@ -21,7 +21,6 @@ from types import TracebackType
 
 from coordinator.errors import ProgrammingError
 from coordinator.journal import (
-    DEFAULT_LAZY_DELAY,
     DEFAULT_SEGMENT_BYTES,
     Compaction,
     FileOps,
@@ -42,6 +41,7 @@ from ._records import decode
 from ._state import CursorState
 from ._subscriptions import SubscriptionOps
 from ._values import (
+    DEFAULT_LAZY_DELAY,
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_TOMBSTONE_SECONDS,
     CursorStats,
@@ -58,7 +58,9 @@ class Cursor(Intake, CarriedOps, BranchOps, SubscriptionOps, DispatchOps, DeadLe
     ``max_deliveries`` applies to the branches found handed out (not prepared) at open, which are
     rolled back then; `CursorResource` passes its own to each rollback. ``precount``: how many
     waiting messages per queue a consumer's forced record pre-counts (`._precount`; 0: none, every
-    receive forces its own ``H``)."""
+    receive forces its own ``H``). ``lazy_delay``: how long a lazy record waits for a forced one
+    to carry it before the cursor fsyncs it itself (`DEFAULT_LAZY_DELAY`: longer than the
+    message log's, since no one's next step waits on it)."""
 
     def __init__(
         self,

@@ -16,6 +16,19 @@ from ._state import CursorState, Entry
 
 DEFAULT_TOMBSTONE_SECONDS = 24 * 3600
 DEFAULT_MAX_DELIVERIES = 5
+#: How long the cursor's lazy records (transfer ``M``s, carried and phase-two ``C``s, ``H``s)
+#: wait for a forced record to carry them before the cursor fsyncs them itself. The message log
+#: waits 2 ms, because a reader sees a committed message only once its record is on disk. Here
+#: nothing anyone waits for next hangs on it: an accepted message is available at once, and a
+#: consumed one gone at once (the database's commit decided it); what waits is the log's copy
+#: (acknowledged once the ``M`` is on disk; its resend timer starts at 0.5 s) and the decision
+#: row or record (deleted once the ``C`` is). With both branches riding the database's commits
+#: the cursor has no forced record in its steady state, so this fsync is its group commit: 20 ms
+#: makes it at most 50 a second. At one message per transaction that took four fifths of the
+#: cursor's fsyncs away and a tenth to a sixth of the consumer process's CPU
+#: (`bench/messaging_threads.py`); the price, a few more forced ``H`` records (an arrival not yet
+#: on disk cannot be pre-counted), is far smaller.
+DEFAULT_LAZY_DELAY = 0.02
 
 
 def shown(entry: Entry) -> int:
