@@ -12,9 +12,10 @@ or an arriving message's ``M`` raises its own (into a short queue); handing one 
 consumes its in-memory credit and writes only a lazy ``H`` (``c`` 0). So a steady consumer at
 one message per transaction forces one record per side, not two. A clean close gives unused
 pre-counts back (a lazy ``G``); a crash leaves them reading one high. In exchange for the forced
-raise the rollback record is lazy: if it is lost, the replay still has the ``H`` (or the ``P``),
-and on open every branch handed out and not prepared (its process is gone) is rolled back again,
-and a prepared one waits for recovery's decision.
+raise the rollback record of a branch handed out and not prepared is lazy: if it is lost, the
+replay still has the ``H``, and on open every such branch (its process is gone) is rolled back
+again. A prepared branch's rollback record is forced: the coordinator forgets the transaction
+once it returns, so a lost one would leave the branch prepared with no one to decide it.
 
 Commit (``C``) is forced when it is the only record of the outcome: a one-phase commit, or a
 recovery's commit, after which the coordinator may forget the decision, and a lost ``C`` would
@@ -365,26 +366,32 @@ class BranchOps(CursorBase):
         times to their dead-letter queue; leave a tombstone (``R``). Returns the ids moved. The
         ``R`` is forced for a branch whose prepare is on disk: the coordinator forgets the
         transaction once this returns, so a crash that lost the record would bring the branch
-        back prepared, its messages held, with no one left to ask about it. Lazy otherwise."""
+        back prepared, its messages held, with no one left to ask about it. Lazy otherwise (a
+        prepare queued after it carries it to disk)."""
         limit = self.max_deliveries if max_deliveries is None else max_deliveries
         self.drop_staged(gid)
-        with self._lock:
-            durable = gid in self._state.prepared
-            back: list[str] = []
-            moves: list[list[str]] = []
-            for mid in self._state.branch_ids(gid):
-                entry = self._state.entries.get(mid)
-                if entry is None:
-                    continue
-                if entry.count >= limit and entry.reason is None:
-                    reason = (f"max-deliveries: delivered {entry.count} times "
-                              f"(max_deliveries {limit}), rolled back")  # fmt: skip
-                    moves.append([mid, reason])
-                else:
-                    back.append(mid)
-        self._append({"k": "R", "g": gid, "t": self._clock(), "i": back, "x": moves}, durable)
-        with self._lock:
-            self.changed.notify_all()
+        self._gate.enter_shared()
+        try:
+            with self._lock:  # decided and queued at once: a prepare's P is wholly before or after
+                durable = gid in self._state.prepared
+                back: list[str] = []
+                moves: list[list[str]] = []
+                for mid in self._state.branch_ids(gid):
+                    entry = self._state.entries.get(mid)
+                    if entry is None:
+                        continue
+                    if entry.count >= limit and entry.reason is None:
+                        reason = (f"max-deliveries: delivered {entry.count} times "
+                                  f"(max_deliveries {limit}), rolled back")  # fmt: skip
+                        moves.append([mid, reason])
+                    else:
+                        back.append(mid)
+                record = {"k": "R", "g": gid, "t": self._clock(), "i": back, "x": moves}
+                ticket = self._submit_locked(record, durable)
+                self.changed.notify_all()
+            self._wait(ticket)
+        finally:
+            self._gate.exit_shared()
         self._compaction.maybe()
         return [mid for mid, _ in moves]
 

@@ -15,9 +15,9 @@ pre-counted it), waiting on the cursor's condition up to ``timeout`` seconds.
   received messages, pre-counting as a ``P`` does.
 - **rollback** (idempotent): the messages become available again, in their place, with
   ``redelivered`` and the count raised at their next delivery; a message already delivered
-  ``max_deliveries`` times moves to ``<destination>.DLQ`` with the reason, in the same (lazy) ``R``
-  record, which also leaves the tombstone. A gid whose commit record is in the journal reports
-  ``HEURISTIC_COMMIT``.
+  ``max_deliveries`` times moves to ``<destination>.DLQ`` with the reason, in the same ``R``
+  record, which also leaves the tombstone (forced for a prepared branch, lazy otherwise). A gid
+  whose commit record is in the journal reports ``HEURISTIC_COMMIT``.
 - **recover**: every prepared gid of this resource's name (and one whose lazy commit record is not
   durable yet). **forget** drops a tombstone.
 

@@ -89,6 +89,7 @@ class LogBase:
     _inflight: dict[str, set[int]]  # stream -> numbers taken whose commit is not published
     _held: dict[str, int]  # destination -> prepared-but-uncommitted messages
     _volatile_prepared: dict[str, list[Message]]
+    _preparing: set[str]  # gids whose forced P is being written (a rollback then forces its R)
     _staged: dict[str, Staged]  # gid -> a carried branch (`._carried`)
     _forgetting: set[str]  # remembered gids to forget with the next record (`._carried`)
     version: int  # bumped whenever messages become visible

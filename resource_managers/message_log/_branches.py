@@ -77,7 +77,13 @@ class BranchOps(LogBase):
         durable = [m for m in messages if m.persistent]
         volatile = [m for m in messages if not m.persistent]
         if durable:
-            self._append(prepare_records(gid, [message_obj(m) for m in durable]), True)
+            with self._lock:  # from here a rollback forces its R: the P may reach disk first
+                self._preparing.add(gid)
+            try:
+                self._append(prepare_records(gid, [message_obj(m) for m in durable]), True)
+            finally:
+                with self._lock:
+                    self._preparing.discard(gid)
         with self._lock:
             if gid in self._state.tombstones:
                 raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")
@@ -267,15 +273,39 @@ class BranchOps(LogBase):
 
     def rollback(self, gid: str) -> None:
         """Discard a branch and leave its tombstone. Forced for a branch whose prepare is on
-        disk: the coordinator forgets a rolled-back transaction once this returns (presumed
-        abort keeps no record of it), so a crash that lost the tombstone would bring the branch
-        back prepared with no one left to ask about it. Lazy otherwise: a crash loses nothing
-        that matters, since it also loses every unprepared branch the tombstone could refuse."""
-        with self._lock:
-            volatile = self._volatile_prepared.pop(gid, [])
-            self._hold_locked(volatile, -1)
-            durable = gid in self._state.prepared
-        self._append([{"k": "R", "g": gid, "t": self._clock()}], force=durable)
+        disk, or being written: the coordinator forgets a rolled-back transaction once this
+        returns (presumed abort keeps no record of it), so a crash that lost the tombstone would
+        bring the branch back prepared with no one left to ask about it. Lazy otherwise: a crash
+        loses nothing that matters, since it also loses every unprepared branch the tombstone
+        could refuse, and a prepare that queues its ``P`` after it carries it to disk. Decided
+        and queued under one hold of the lock, so a ``P`` is queued wholly before or after."""
+        record = {"k": "R", "g": gid, "t": self._clock()}
+        payload = encode(record)
+        self._gate.enter_shared()
+        try:
+            with self._lock:
+                volatile = self._volatile_prepared.pop(gid, [])
+                self._hold_locked(volatile, -1)
+                durable = gid in self._state.prepared or gid in self._preparing
+                try:
+                    ticket = self._journal.submit(payload, durable)
+                except LogWriteError as exc:
+                    raise LogWriteError(
+                        f"message log {self.directory}: {exc.message}", durable=exc.durable
+                    ) from exc
+                self._hold_locked(self._state.prepared.get(gid, []), -1)
+                self._state.apply(record)
+            try:
+                self._journal.wait(ticket)
+            except LogWriteError as exc:
+                raise LogWriteError(
+                    f"message log {self.directory}: {exc.message}", durable=exc.durable
+                ) from exc
+        finally:
+            self._gate.exit_shared()
+        self._compaction.maybe()
+        if durable:
+            self._lazy.settle()  # the lazy commit records this force carried
 
     def forget(self, gid: str) -> None:
         if gid in self._state.tombstones:

@@ -108,6 +108,7 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
         self._inflight: dict[str, set[int]] = {}
         self._held: dict[str, int] = {}  # destination -> prepared-but-uncommitted messages
         self._volatile_prepared: dict[str, list[Message]] = {}
+        self._preparing: set[str] = set()  # gids whose forced P is being written
         self._staged: dict[str, Staged] = {}  # carried branches (`._carried`)
         self._forgetting: set[str] = set()  # forgets waiting for a record (`._carried`)
         self.version = 0  # bumped whenever messages become visible

@@ -19,7 +19,8 @@ Kinds (``k``):
 - ``1`` one-phase commit: ``g``, ``m`` and ``s`` together, in one forced write; with ``r`` (1)
   a carried branch's commit (`._carried`: lazy, and the gid is remembered until ``W``); its
   ``f``, if any, lists remembered gids to forget (as a ``W`` would).
-- ``R`` rollback: ``g``, ``t`` wall-clock ms: the tombstone (lazy).
+- ``R`` rollback: ``g``, ``t`` wall-clock ms: the tombstone (forced for a branch whose ``P`` is
+  on disk or being written, lazy otherwise).
 - ``F`` forget: ``g`` (lazy).
 - ``A`` acknowledged: ``q`` stream, ``e`` epoch, ``u`` up to and including this number (lazy).
 - ``D`` dropped (expired): ``q`` stream, ``e`` epoch, ``l`` the numbers (lazy).

@@ -10,8 +10,9 @@ checked against the destination's limit at once, so a refusal never reaches prep
   messages then become visible to readers, in number order. A repeat, or a gid this log never
   prepared, is already done (None). A gid with a tombstone was rolled back: ``HEURISTIC_ROLLBACK``.
   ``one_phase``: prepare and commit in one forced ``1`` record.
-- **rollback** (idempotent): discards the branch and leaves a tombstone (``R``, lazy). A gid whose
-  commit record is still in the journal reports ``HEURISTIC_COMMIT``.
+- **rollback** (idempotent): discards the branch and leaves a tombstone (``R``: forced for a
+  branch whose prepare is on disk, since the coordinator then forgets it; lazy otherwise). A
+  gid whose commit record is still in the journal reports ``HEURISTIC_COMMIT``.
 - **recover**: every prepared gid of this resource's name, whatever its age. **forget** drops a
   tombstone.
 

@@ -391,6 +391,54 @@ def test_the_rollback_of_a_prepared_branch_survives_a_crash(logdir: Path) -> Non
         assert log.stats().tombstones == 1
 
 
+def test_a_rollback_racing_the_prepares_fsync_is_forced_too(logdir: Path) -> None:
+    """A rollback that arrives while the branch's ``P`` is being written (a remote client's,
+    after its prepare timed out) must force its tombstone as well: the ``P`` may reach disk
+    before the rollback is decided, and a lazy tombstone queued after it would be lost."""
+    script = textwrap.dedent(
+        f"""
+        import os, threading
+        from coordinator import Xid
+        from resource_managers.message_log import Message, MessageLog
+        log = MessageLog({str(logdir)!r})
+        journal, append = log._journal, log._journal.append
+        in_fsync, go = threading.Event(), threading.Event()
+
+        def held_append(payload, force=True):
+            append(payload, force)
+            if payload.startswith(b'{{"k":"P"'):
+                in_fsync.set()
+                go.wait(10)  # on disk, not yet applied: the rollback comes now
+
+        journal.append = held_append
+        gid = Xid.branch_of("node-1:race-1", "mlog").to_gid()
+        votes = []
+
+        def prepare():
+            try:
+                log.prepare(gid, [Message("m1", "orders", b"x")])
+                votes.append("commit")
+            except Exception as exc:
+                votes.append(type(exc).__name__)
+
+        thread = threading.Thread(target=prepare)
+        thread.start()
+        assert in_fsync.wait(10)
+        log.rollback(gid)
+        go.set()
+        thread.join()
+        print(votes[0])
+        os._exit(0)  # no close: a crash as far as the log can tell
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "BranchRolledBack"
+    with MessageLog(logdir) as log:
+        assert log.prepared_gids() == [] and log.stats().tombstones == 1
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
