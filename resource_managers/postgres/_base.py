@@ -18,6 +18,7 @@ from . import _errors
 from ._branch import IDLE, INERROR, INTRANS, Branch
 from ._driver import Driver
 from ._pooled import Pooled
+from ._prepared import PreparedStatements
 from ._server import ServerFacts, Tables, look_up
 from ._sessions import BRANCH
 
@@ -69,6 +70,7 @@ class PostgresBase(Branches[Branch]):
     _after_drop: dict[str, Callable[[], None]]  # gtrid -> what runs once its row is deleted
     _epochs: dict[str, int]  # node -> this process's epoch of it (`LastResourceOps.fence_node`)
     _fencing: threading.RLock  # one fence at a time
+    _statements: PreparedStatements  # which connections hold the decision row's statements
 
     def _release_expired(self) -> None:
         """Give back the connections of branches prepared longer than ``hold_prepared`` ago:

@@ -16,6 +16,7 @@ the wait ends in a serialization failure, which is an error, never a wrong answe
 
 from __future__ import annotations
 
+import binascii
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,47 @@ class DecisionTable:
             "ADD COLUMN IF NOT EXISTS carried bytea[] NOT NULL DEFAULT '{}'"
         )
 
+    @property
+    def statement_tag(self) -> str:
+        """The prefix of this table's prepared statements' names: a hash of the table's name,
+        so resources on two tables never share one."""
+        return f"twopc_{binascii.crc32(self.table.encode()):08x}"
+
+    def prepared_statements(self) -> dict[str, str]:
+        """The commit's statements as server-side prepared statements, name -> ``PREPARE``.
+
+        Parsing and planning them is most of what the decision row costs the server: about 75
+        us of its CPU per commit on a 2-core machine, against the 190 us of an ``INSERT`` and a
+        ``COMMIT`` (`._prepared` says when a connection gets them)."""
+        tag = self.statement_tag
+        out = {
+            f"{tag}_decide": (
+                f"PREPARE {tag}_decide(text, text, text[]) AS INSERT INTO {self.table} "
+                "(gtrid, node_id, outcome, branches) VALUES ($1, $2, 'c', $3)"
+            ),
+            f"{tag}_drop": (
+                f"PREPARE {tag}_drop(text[]) AS DELETE FROM {self.table} "
+                "WHERE gtrid = ANY($1) AND outcome = 'c'"
+            ),
+        }
+        if self.carries:
+            out[f"{tag}_fence"] = (
+                f"PREPARE {tag}_fence(text, text, bigint) AS {self._fence_sql('$1', '$2', '$3')}"
+            )
+            out[f"{tag}_carry"] = (
+                f"PREPARE {tag}_carry(text, text, text[], text[], bytea[]) AS INSERT INTO "
+                f"{self.table} (gtrid, node_id, outcome, branches, carried_names, carried) "
+                "VALUES ($1, $2, 'c', $3, $4, $5)"
+            )
+        return out
+
+    def _fence_sql(self, node: str, resource: str, epoch: str) -> str:
+        return (
+            f"SELECT CASE WHEN count(*) = 1 THEN 1 ELSE CAST('{FENCED_EPOCH} ' || count(*) "
+            f"AS int) END FROM (SELECT 1 FROM {self.epochs} WHERE node_id = {node} "
+            f"AND resource = {resource} AND epoch = {epoch} FOR SHARE) AS fence"
+        )
+
     def commit(
         self,
         gtrid: str,
@@ -89,6 +131,7 @@ class DecisionTable:
         carried: tuple[tuple[str, bytes], ...] = (),
         *,
         fence: tuple[str, int] | None = None,
+        prepared: bool = False,
     ) -> tuple[str, list[Any]]:
         """The decision row (with the payloads of the branches it carries), the deletion of rows
         whose transactions ended, and the COMMIT: one round trip, one server commit for the
@@ -103,27 +146,38 @@ class DecisionTable:
         commit the server was still running for a process that had died could land after the
         restarted process read the rows: no prepared branch names it, so no abort row fences
         it, and a store that cannot see the commit (the cursor, which then hands the messages
-        out again) would act on a row it never read."""
+        out again) would act on a row it never read.
+
+        ``prepared``: the connection holds `prepared_statements`, so the same statements go as
+        ``EXECUTE``s of them."""
         params: list[Any] = [gtrid, node_id, list(branches)]
+        tag = self.statement_tag
         if carried:
             if fence is None:
                 raise ValueError("a commit with carried branches needs its node's fence")
-            sql = (
-                f"SELECT CASE WHEN count(*) = 1 THEN 1 ELSE CAST('{FENCED_EPOCH} ' || count(*) "
-                f"AS int) END FROM (SELECT 1 FROM {self.epochs} WHERE node_id = %s "
-                "AND resource = %s AND epoch = %s FOR SHARE) AS fence; "
-                f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches, carried_names, "
-                "carried) VALUES (%s, %s, 'c', %s, %s, %s); "
-            )
+            if prepared:
+                sql = f"EXECUTE {tag}_fence(%s, %s, %s); EXECUTE {tag}_carry(%s, %s, %s, %s, %s); "
+            else:
+                sql = (
+                    f"{self._fence_sql('%s', '%s', '%s')}; "
+                    f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches, carried_names, "
+                    "carried) VALUES (%s, %s, 'c', %s, %s, %s); "
+                )
             params = [node_id, *fence, *params]
             params += [[name for name, _ in carried], [payload for _, payload in carried]]
+        elif prepared:
+            sql = f"EXECUTE {tag}_decide(%s, %s, %s); "
         else:
             sql = (
                 f"INSERT INTO {self.table} (gtrid, node_id, outcome, branches) "
                 "VALUES (%s, %s, 'c', %s); "
             )
         if ended:
-            sql += f"DELETE FROM {self.table} WHERE gtrid = ANY(%s) AND outcome = 'c'; "
+            sql += (
+                f"EXECUTE {tag}_drop(%s); "
+                if prepared
+                else f"DELETE FROM {self.table} WHERE gtrid = ANY(%s) AND outcome = 'c'; "
+            )
             params.append(ended)
         return sql + "COMMIT", params
 

@@ -31,13 +31,18 @@ class LastResourceOps(PostgresBase):
         fence = (self._name, self._epoch_of(node)) if decision.carried else None
         with self._lock:
             ended, self._ended = self._ended, []
+        branch = self._branch(xid)
+        prepared = self._statements.holds(branch.dbapi)
         sql, params = table.commit(
-            decision.gtrid, node, decision.branches, ended, decision.carried, fence=fence
-        )
+            decision.gtrid, node, decision.branches, ended, decision.carried, fence=fence,
+            prepared=prepared,
+        )  # fmt: skip
         try:
             self.commit_carrying(xid, sql, params, fence=_fenced, fenced=_FENCED)
-        except BaseException:
+        except BaseException as exc:
             self._requeue(ended)
+            if prepared:
+                self._statements.check_failure(exc)
             raise
         self._dropped(ended)
 

@@ -68,6 +68,7 @@ from ._branch import Branch, BranchConnection
 from ._last_resource import LastResourceOps
 from ._phases import PhaseOps
 from ._pooled import Pooled
+from ._prepared import PreparedStatements
 from ._recovery import RecoveryOps
 from ._server import ServerFacts
 from ._sessions import BRANCH, default_session, watch
@@ -100,6 +101,7 @@ class _Options(TypedDict, total=False):
     busy_delay: float
     last_resource: bool
     decision_table: str
+    prepared_statements: bool
 
 
 class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
@@ -118,6 +120,8 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
     then taken as committed). ``last_resource=True``: a logging last resource (see the module
     docstring); its decision rows live in ``decision_table``, abort fences are kept for
     ``marker_retention``. Such a database needs no ``max_prepared_transactions``.
+    ``prepared_statements``: a last resource prepares its decision row's statements once per
+    pooled connection (`._prepared`); pass False behind a pooler in transaction mode.
     """
 
     @overload
@@ -167,6 +171,7 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         busy_delay: float = 0.05,
         last_resource: bool = False,
         decision_table: str = "twopc_decision_row",
+        prepared_statements: bool = True,
     ) -> None:
         self._driver = _drivers.for_engine(engine)
         if isolation_level is not None and isolation_level.upper() not in _ISOLATION_LEVELS:
@@ -206,6 +211,7 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         #: node -> this process's epoch of it, for commits that carry branches (`fence_node`)
         self._epochs: dict[str, int] = {}
         self._fencing = threading.RLock()
+        self._statements = PreparedStatements(self._name, prepared_statements)
 
     @property
     def last_resource(self) -> bool:
@@ -275,6 +281,9 @@ class PostgresResource(PhaseOps, LastResourceOps, RecoveryOps, Generic[H]):
         branch = Branch(xid, xid.to_gid(), pooled, dbapi, self._begin_sql)
         try:
             self._driver.autocommit(dbapi, True)
+            decisions = self._facts.decisions if self._facts is not None else None
+            if decisions is not None:
+                self._statements.on_open(self._driver, dbapi, decisions)
             self._driver.attach(dbapi, branch)
         except Exception as exc:
             pooled.invalidate()
