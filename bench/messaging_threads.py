@@ -6,7 +6,9 @@ by the thread it was meant to spare. Each row runs ``bench/messaging.py``'s own 
 consumer processes (`run_twopc`); a sampling thread in each reads every thread's CPU time (user +
 system, ``/proc/self/task``) and voluntary context switches ten times a second, and the last sample
 before the process ends is reported, divided by the messages. ``machine`` is ``/proc/stat``'s busy
-time over the row (PostgreSQL and the kernel's share included; anything else running counts too).
+time over the row (PostgreSQL and the kernel's share included; anything else running counts too);
+``postgres`` the throwaway cluster's processes alone (the postmaster, its children, and what the
+children that ended left in the postmaster's account).
 
     python bench/messaging_threads.py [--modes exactly-once] [--per-tx 1,10] [--messages 2000]
         [--json PATH]
@@ -80,6 +82,29 @@ def _machine_busy() -> tuple[int, int]:
     return sum(fields) - fields[3] - fields[4], sum(fields)
 
 
+def _postgres_cpu(dsn: str) -> float:
+    """CPU seconds of the cluster behind ``dsn`` so far: its postmaster (found through the data
+    directory's ``postmaster.pid``) with the children it reaped, and its live children."""
+    import psycopg2
+
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT setting FROM pg_settings WHERE name = 'data_directory'")
+        [(datadir,)] = cur.fetchall()
+    conn.close()
+    postmaster = int((Path(datadir) / "postmaster.pid").read_text().split()[0])
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(pid) == postmaster:
+            total += sum(int(f) for f in fields[11:15])  # its own and its reaped children's
+        elif int(fields[1]) == postmaster:
+            total += int(fields[11]) + int(fields[12])
+    return total / TICKS
+
+
 def _side(path: Path, messages: int) -> dict[str, Any]:
     threads: dict[str, list[float]] = {}
     for raw, cpu, switches in json.loads(path.read_text()).values():
@@ -103,9 +128,9 @@ def run_row(mode: str, dsns: tuple[str, str], per_tx: int, messages: int) -> dic
         bm.producer_main = _sampled(producer, files["producer"])
         bm.consumer_main = _sampled(consumer, files["consumer"])
         try:
-            before = _machine_busy()
+            before, pg_before = _machine_busy(), _postgres_cpu(dsns[0])
             result = bm.run_twopc(mode, dsns, per_tx, messages)
-            after = _machine_busy()
+            after, pg_after = _machine_busy(), _postgres_cpu(dsns[0])
         finally:
             bm.producer_main, bm.consumer_main = producer, consumer
         busy, total = after[0] - before[0], after[1] - before[1]
@@ -116,14 +141,15 @@ def run_row(mode: str, dsns: tuple[str, str], per_tx: int, messages: int) -> dic
             "p50_ms": round(result.p50_ms, 3),
             "machine_us_per_msg": round(busy / TICKS * 1e6 / messages),
             "machine_idle": round(1 - busy / total, 2) if total else 0.0,
+            "postgres_us_per_msg": round((pg_after - pg_before) * 1e6 / messages),
             **{side: _side(path, messages) for side, path in files.items()},
         }
 
 
 def print_row(row: dict[str, Any]) -> None:
     print(f"{row['mode']} at {row['per_tx']}/tx: {row['msg_s']:,} msg/s, p50 {row['p50_ms']} ms; "
-          f"machine {row['machine_us_per_msg']} us/msg busy, "
-          f"idle {row['machine_idle']:.0%}")  # fmt: skip
+          f"machine {row['machine_us_per_msg']} us/msg busy, idle {row['machine_idle']:.0%}; "
+          f"postgres {row['postgres_us_per_msg']} us/msg")  # fmt: skip
     for side in ("producer", "consumer"):
         print(f"  {side:<9} {row[side]['us_per_msg']:>6} us/msg")
         for name, t in row[side]["threads"].items():

@@ -45,6 +45,12 @@ class Driver:
         """libpq's transaction status (`_branch.IDLE` ...), read without a round trip."""
         return int(dbapi.info.transaction_status)
 
+    @staticmethod
+    def keeps_prepared(dbapi: Any) -> bool:
+        """A statement twopc prepares on this connection stays until the session ends (psycopg
+        3 deallocates everything whenever its own prepared statements may be stale)."""
+        return True
+
     def run(self, dbapi: Any, sql: str, params: list[Any] | None = None) -> str:
         """Our own statement(s), past the branch's cursors: the last statement's command tag."""
         raise NotImplementedError

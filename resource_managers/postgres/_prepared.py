@@ -12,12 +12,15 @@ the connection is idle in autocommit mode, so a failure cannot touch a transacti
 is asked which of the names it holds (`pg_prepared_statements`) and the missing ones are
 prepared: two round trips, once per connection.
 
-When it cannot work: behind a pooler in transaction mode (PgBouncer's ``pool_mode =
-transaction``), or with an application that runs ``DISCARD ALL`` or ``DEALLOCATE`` on the
-branch's connection, a statement prepared in one transaction is gone in the next. The commit that
-finds it gone fails before its ``COMMIT`` (the server rolls the transaction back, a definite
-outcome the coordinator reports as such), and the resource stops using prepared statements from
-then on, with a warning that says why; ``prepared_statements=False`` avoids that one rollback.
+When it cannot work: psycopg 3 deallocates every prepared statement of a session whenever its
+own (it prepares what runs often) may be stale, so there only a connection with
+``prepare_threshold=None`` gets ours. Behind a pooler in transaction mode (PgBouncer's
+``pool_mode = transaction``), or with an application that runs ``DISCARD ALL`` or ``DEALLOCATE``
+on the branch's connection, a statement prepared in one transaction is gone in the next. A
+commit that finds it gone fails before its ``COMMIT`` (the server rolls the transaction back, a
+definite outcome the coordinator reports as such), and the resource stops using prepared
+statements from then on, with a warning that says why; ``prepared_statements=False`` avoids the
+rollbacks of the commits in flight then.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ log = logging.getLogger("twopc.postgres")
 
 #: SQLSTATE 26000: the prepared statement does not exist
 _MISSING = "26000"
+#: SQLSTATE classes of errors that preparing again would meet again (syntax, access; feature)
+_FOR_GOOD = ("42", "0A")
+#: a PREPARE waits at most this long for a lock on the table (behind an ALTER TABLE, say)
+_LOCK_TIMEOUT_MS = 2000
 
 
 class PreparedStatements:
@@ -54,7 +61,7 @@ class PreparedStatements:
     def on_open(self, driver: Driver, dbapi: Any, table: DecisionTable) -> None:
         """A branch opened on ``dbapi`` (idle, autocommit): on its second use, prepare what
         the server does not hold yet. Never raises: the commit runs unprepared instead."""
-        if not self.enabled or dbapi in self._ready:
+        if not self.enabled or dbapi in self._ready or not driver.keeps_prepared(dbapi):
             return
         with self._lock:
             first = dbapi not in self._seen
@@ -69,10 +76,11 @@ class PreparedStatements:
                 [list(statements)],
             )
             missing = [sql for name, sql in statements.items() if name not in {r[0] for r in held}]
-            if missing:
-                driver.run(dbapi, "; ".join(missing))
-        except Exception as exc:
-            if not _errors.is_unreachable(exc):  # a lost connection fails the branch anyway
+            if missing:  # one implicit transaction: the lock timeout holds for all of them
+                bound = f"SELECT set_config('lock_timeout', '{_LOCK_TIMEOUT_MS}', true)"
+                driver.run(dbapi, "; ".join([bound, *missing]))
+        except Exception as exc:  # a lost connection fails the branch anyway; a timeout: later
+            if (_errors.sqlstate(exc) or "").startswith(_FOR_GOOD):
                 self.disable(f"preparing them failed: {_errors.describe(exc)}")
             return
         with self._lock:
@@ -85,13 +93,14 @@ class PreparedStatements:
         if _errors.sqlstate(cause) == _MISSING:
             self.disable(
                 "a connection lost them between transactions (a pooler in transaction mode, "
-                "or DISCARD ALL / DEALLOCATE on the branch's connection); that commit rolled "
-                "back. Pass prepared_statements=False to avoid the rollback"
+                "or DISCARD ALL / DEALLOCATE on the branch's connection); the commits using "
+                "them rolled back. Pass prepared_statements=False to avoid that"
             )
 
     def disable(self, why: str) -> None:
-        if self.enabled:
-            self.enabled = False
+        with self._lock:
+            was, self.enabled = self.enabled, False
+        if was:
             log.warning(
                 "%s: the decision row's statements are no longer prepared on the server (%s); "
                 "commits with a decision go on unprepared, parsed and planned each time",

@@ -16,6 +16,14 @@ from ._driver import Driver
 class _Psycopg3(Driver):
     name = "psycopg"
 
+    @staticmethod
+    def keeps_prepared(dbapi: Any) -> bool:
+        """psycopg 3 prepares the statements it runs often on its own, and once it holds any it
+        sends ``DEALLOCATE ALL`` after a rollback, a ``ROLLBACK TO SAVEPOINT``, DDL and more:
+        ours would go with them. Only a connection with its preparation off
+        (``prepare_threshold=None``) keeps them."""
+        return getattr(dbapi, "prepare_threshold", 0) is None
+
     def __init__(self) -> None:
         self._classes: dict[type[Any], type[Any]] = {}
         self._lock = threading.Lock()

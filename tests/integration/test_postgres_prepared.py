@@ -1,8 +1,9 @@
 """A last resource's decision statements prepared on the server (`resource_managers.postgres.
-_prepared`), against real servers and both drivers: prepared on a connection's second use, used
-for the row, the carried payloads and the epoch check; a connection that lost them (``DEALLOCATE
-ALL``, as a pooler in transaction mode would) costs one definite rollback and the resource goes on
-unprepared; ``prepared_statements=False`` and a pool without reuse never prepare."""
+_prepared`), against real servers and both drivers (psycopg 3 with its own preparation off, the
+only way ours survive there): prepared on a connection's second use, used for the row, the
+carried payloads and the epoch check; a connection that lost them (``DEALLOCATE ALL``, as a
+pooler in transaction mode would) costs a definite rollback and the resource goes on unprepared;
+``prepared_statements=False``, a pool without reuse and psycopg 3's defaults never prepare."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def url(make_pg_database: Callable[[], str], pg_driver: str) -> str:
     return on_driver(make_pg_database(), pg_driver)
 
 
+def reused(url: str, **kwargs: object) -> sa.Engine:
+    """A ledger engine with one connection, lent again and again (psycopg 3's own statement
+    preparation off, as it must be for ours)."""
+    if url.startswith("postgresql+psycopg:"):
+        kwargs["connect_args"] = {"prepare_threshold": None}
+    return ledger_engine(url, pool_size=1, max_overflow=0, **kwargs)
+
+
 @pytest.fixture
 def mlog(tmp_path: Path) -> Iterator[MessageLog]:
     with MessageLog(tmp_path / "mlog", lazy_delay=60.0) as log:
@@ -44,14 +53,16 @@ def held(
         if mr is not None:
             tx.join(mr).send("orders", tid.encode())
         with pg.dbapi_connection(tx).cursor() as cur:
-            cur.execute("SELECT name FROM pg_prepared_statements ORDER BY name")
+            cur.execute(
+                "SELECT name FROM pg_prepared_statements WHERE name LIKE 'twopc%' ORDER BY name"
+            )
             return [str(r[0]) for r in cur.fetchall()]
 
 
 def test_prepared_on_the_second_use_and_used_with_carried_branches(
     url: str, mlog: MessageLog, managers: list[TransactionManager], tmp_path: Path
 ) -> None:
-    engine = ledger_engine(url, pool_size=1, max_overflow=0)  # one connection, used again
+    engine = reused(url)
     try:
         pg = PostgresResource(engine, "pg", last_resource=True)
         mr = MessageLogResource(mlog)
@@ -78,7 +89,7 @@ def test_a_fenced_commit_fails_through_the_prepared_check(
 ) -> None:
     """A newer process of the node fences it: the old process's next carried commit, on a
     connection holding the prepared epoch check, is refused and rolls back."""
-    engine = ledger_engine(url, pool_size=1, max_overflow=0)
+    engine = reused(url)
     other = sa.create_engine(url)
     try:
         pg = PostgresResource(engine, "pg", last_resource=True)
@@ -104,7 +115,7 @@ def test_a_connection_that_lost_them_costs_one_rollback_then_none(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine = ledger_engine(url, pool_size=1, max_overflow=0)
+    engine = reused(url)
     try:
         pg = PostgresResource(engine, "pg", last_resource=True)
         mr = MessageLogResource(mlog)
@@ -139,11 +150,38 @@ def test_never_prepared_when_off_or_when_no_connection_is_used_twice(
         engine = ledger_engine(url, poolclass=NullPool)
         pg = PostgresResource(engine, "pg", last_resource=True)
     else:
-        engine = ledger_engine(url, pool_size=1, max_overflow=0)
+        engine = reused(url)
         pg = PostgresResource(engine, "pg", last_resource=True, prepared_statements=False)
     try:
         tm = make_manager(managers, [pg], FileDecisionLog(tmp_path / "log"))
         assert [held(tm, pg, f"t{i}") for i in range(4)] == [[], [], [], []]
         assert {"t0", "t1", "t2", "t3"} <= transfer_ids(engine)
+    finally:
+        engine.dispose()
+
+
+def test_psycopg3_with_its_own_preparation_on_never_gets_ours(
+    make_pg_database: Callable[[], str],
+    mlog: MessageLog,
+    managers: list[TransactionManager],
+    tmp_path: Path,
+) -> None:
+    """psycopg 3 prepares what runs often itself and then deallocates every statement of the
+    session after a rollback: twopc's would go too, and the next commit fail. So it prepares
+    none there, and a warmed-up cache followed by a rollback costs nothing."""
+    engine = ledger_engine(on_driver(make_pg_database(), "psycopg"), pool_size=1, max_overflow=0)
+    try:
+        pg = PostgresResource(engine, "pg", last_resource=True)
+        mr = MessageLogResource(mlog)
+        tm = make_manager(managers, [pg, mr], FileDecisionLog(tmp_path / "log"))
+        for i in range(8):  # psycopg prepares the application's statements after five runs
+            assert held(tm, pg, f"t{i}", mr) == []
+        with pytest.raises(RuntimeError), tm.transaction() as tx:
+            move(tx.join(pg), "undone", 1, 1)
+            raise RuntimeError("the application gives up: a ROLLBACK, then DEALLOCATE ALL")
+        assert held(tm, pg, "after", mr) == []
+        assert {"t0", "t7", "after"} <= transfer_ids(engine) and "undone" not in transfer_ids(
+            engine
+        )
     finally:
         engine.dispose()
