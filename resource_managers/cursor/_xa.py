@@ -12,10 +12,10 @@ or an arriving message's ``M`` raises its own (into a short queue); handing one 
 consumes its in-memory credit and writes only a lazy ``H`` (``c`` 0). So a steady consumer at
 one message per transaction forces one record per side, not two. A clean close gives unused
 pre-counts back (a lazy ``G``); a crash leaves them reading one high. In exchange for the forced
-raise the rollback record of a branch handed out and not prepared is lazy: if it is lost, the
-replay still has the ``H``, and on open every such branch (its process is gone) is rolled back
-again. A prepared branch's rollback record is forced: the coordinator forgets the transaction
-once it returns, so a lost one would leave the branch prepared with no one to decide it.
+raise an unprepared branch's rollback record is lazy: if it is lost, the replay still has the
+``H``, and the open rolls the branch back again. A prepared branch's is forced, decided and
+queued under one hold of the lock (a ``P`` is wholly before or after it): the coordinator forgets
+the transaction once it returns, so a lost one would leave the branch prepared for good.
 
 Commit (``C``) is forced when it is the only record of the outcome: a one-phase commit, or a
 recovery's commit, after which the coordinator may forget the decision, and a lost ``C`` would
@@ -363,22 +363,16 @@ class BranchOps(CursorBase):
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
         """Make the branch's messages available again, or move those delivered ``max_deliveries``
-        times to their dead-letter queue; leave a tombstone (``R``). Returns the ids moved. The
-        ``R`` is forced for a branch whose prepare is on disk: the coordinator forgets the
-        transaction once this returns, so a crash that lost the record would bring the branch
-        back prepared, its messages held, with no one left to ask about it. Lazy otherwise (a
-        prepare queued after it carries it to disk)."""
+        times to their dead-letter queue; leave a tombstone (``R``, forced for a prepared branch:
+        see the module docstring). Returns the ids moved."""
         limit = self.max_deliveries if max_deliveries is None else max_deliveries
         self.drop_staged(gid)
         self._gate.enter_shared()
         try:
-            with self._lock:  # decided and queued at once: a prepare's P is wholly before or after
-                durable = gid in self._state.prepared
-                back: list[str] = []
-                moves: list[list[str]] = []
+            with self._lock:
+                durable, back, moves = gid in self._state.prepared, [], []
                 for mid in self._state.branch_ids(gid):
-                    entry = self._state.entries.get(mid)
-                    if entry is None:
+                    if (entry := self._state.entries.get(mid)) is None:
                         continue
                     if entry.count >= limit and entry.reason is None:
                         reason = (f"max-deliveries: delivered {entry.count} times "
