@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from coordinator.crashpoints import crash_point
-from coordinator.errors import IllegalStateError, ProgrammingError
+from coordinator.errors import IllegalStateError, LogWriteError, ProgrammingError
 from resource_managers.message_log import VOLATILE_SUFFIX, Message, check_message
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter, stream_key
 
@@ -203,10 +203,16 @@ class Intake(CursorBase):
     def _filter_durable(self) -> None:
         """Before the filter's state is reported as an acknowledgment: make every lazily
         written ``M`` record durable (`deliver_lazily`), or the log could discard a message
-        that a crash then takes from the cursor."""
+        that a crash then takes from the cursor. The journal's own flush, not the lazy watch's:
+        `deliver_lazily` queues its records under the lock but hands their ticket to the watch
+        only after, and a watch with nothing watched yet flushes nothing."""
         ticket = self._last_accept
         if ticket is not None and not ticket.done:
-            self._lazy.flush()
+            try:
+                self._journal.flush()
+            except LogWriteError as exc:
+                raise self._located(exc) from exc
+            self._lazy.settle()
 
     def _accept_record(
         self, message: Message, decision: Decision, ahead: Counter[str] | None = None

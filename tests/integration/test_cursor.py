@@ -252,6 +252,44 @@ def test_the_rollback_of_a_prepared_branch_survives_a_crash(curdir: Path) -> Non
         assert [d.delivery_count for d in c.available("orders")] == [1]
 
 
+def test_an_acknowledgment_never_runs_ahead_of_a_lazy_arrival(curdir: Path) -> None:
+    """A forced delivery of duplicates acknowledges the stream's filter, which a lazy delivery
+    on another connection may have advanced with an ``M`` not yet on disk (queued, its watch
+    not yet set): the acknowledgment must wait for that ``M``, or the log would discard a
+    message that a crash then takes from the cursor."""
+    script = textwrap.dedent(
+        f"""
+        import os, threading, uuid
+        from resource_managers.cursor import Cursor
+        from resource_managers.message_log import Message
+        from resource_managers.sequencing import Frame
+        c = Cursor({str(curdir)!r}, lazy_delay=60.0)
+        watch, queued, go = c._lazy.watch, threading.Event(), threading.Event()
+
+        def late_watch(ticket, callback):
+            queued.set()
+            go.wait(10)  # the M is queued and applied; the watch comes later
+            watch(ticket, callback)
+
+        c._lazy.watch = late_watch
+        m = Message(uuid.uuid4().hex, "orders", b"a", {{}})
+        frame = Frame("orders", 7, 1, 0, m.message_id)
+        lazy = threading.Thread(target=c.deliver_lazily, args=([(frame, m)], lambda acks: None))
+        lazy.start()
+        assert queued.wait(10)
+        acks = c.deliver_many([(frame, m)])  # a resend on another connection: a duplicate
+        print(acks[0].seq)
+        os._exit(0)  # the log would now discard message 1; a crash as far as the cursor knows
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "1"
+    with Cursor(curdir) as c:
+        assert available(c) == [b"a"]  # acknowledged, so it must be here
+
+
 def test_past_max_deliveries_the_message_moves_to_the_dead_letter_queue(
     curdir: Path, managers: list[TransactionManager]
 ) -> None:
