@@ -207,6 +207,8 @@ class Intake(CursorBase):
         `deliver_lazily` queues its records under the lock but hands their ticket to the watch
         only after, and a watch with nothing watched yet flushes nothing."""
         ticket = self._last_accept
+        if ticket is not None and ticket.error is not None:  # applied, never written
+            raise self._located(ticket.error)
         if ticket is not None and not ticket.done:
             try:
                 self._journal.flush()

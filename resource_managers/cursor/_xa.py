@@ -12,10 +12,10 @@ or an arriving message's ``M`` raises its own (into a short queue); handing one 
 consumes its in-memory credit and writes only a lazy ``H`` (``c`` 0). So a steady consumer at
 one message per transaction forces one record per side, not two. A clean close gives unused
 pre-counts back (a lazy ``G``); a crash leaves them reading one high. In exchange for the forced
-raise an unprepared branch's rollback record is lazy: if it is lost, the replay still has the
-``H``, and the open rolls the branch back again. A prepared branch's is forced, decided and
-queued under one hold of the lock (a ``P`` is wholly before or after it): the coordinator forgets
-the transaction once it returns, so a lost one would leave the branch prepared for good.
+raise an unprepared branch's rollback record is lazy (if lost, the replay has the ``H`` and the
+open rolls the branch back again); a prepared branch's is forced, decided and queued under one
+hold of the lock (a ``P`` is wholly before or after it), and so is a repeat of one whose write
+failed: the coordinator forgets the transaction once it returns.
 
 Commit (``C``) is forced when it is the only record of the outcome: a one-phase commit, or a
 recovery's commit, after which the coordinator may forget the decision, and a lost ``C`` would
@@ -362,15 +362,15 @@ class BranchOps(CursorBase):
         self._lazy.flush()
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
-        """Make the branch's messages available again, or move those delivered ``max_deliveries``
-        times to their dead-letter queue; leave a tombstone (``R``, forced for a prepared branch:
-        see the module docstring). Returns the ids moved."""
+        """Make the branch's messages available again (to their dead-letter queue those delivered
+        ``max_deliveries`` times), leave a tombstone ``R`` (the module docstring); the ids moved."""
         limit = self.max_deliveries if max_deliveries is None else max_deliveries
         self.drop_staged(gid)
         self._gate.enter_shared()
         try:
             with self._lock:
-                durable, back, moves = gid in self._state.prepared, [], []
+                back, moves = [], []
+                durable = gid in self._state.prepared or gid in self._state.tombstones
                 for mid in self._state.branch_ids(gid):
                     if (entry := self._state.entries.get(mid)) is None:
                         continue

@@ -286,7 +286,13 @@ class BranchOps(LogBase):
             with self._lock:
                 volatile = self._volatile_prepared.pop(gid, [])
                 self._hold_locked(volatile, -1)
-                durable = gid in self._state.prepared or gid in self._preparing
+                # a tombstone already here may be one whose forced write failed (applied when
+                # queued; a write cut back cleanly does not poison the journal): force again
+                durable = (
+                    gid in self._state.prepared
+                    or gid in self._preparing
+                    or gid in self._state.tombstones
+                )
                 try:
                     ticket = self._journal.submit(payload, durable)
                 except LogWriteError as exc:

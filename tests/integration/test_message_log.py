@@ -439,6 +439,43 @@ def test_a_rollback_racing_the_prepares_fsync_is_forced_too(logdir: Path) -> Non
         assert log.prepared_gids() == [] and log.stats().tombstones == 1
 
 
+def test_a_rollback_retried_after_its_tombstone_failed_to_write_is_forced(logdir: Path) -> None:
+    """The forced ``R`` of a prepared branch fails to write (no space; the write is cut back,
+    the journal goes on): the coordinator retries the rollback, and that retry must be forced
+    too, though the tombstone is already in memory, or a crash would bring the branch back."""
+    script = textwrap.dedent(
+        f"""
+        import errno, os
+        from coordinator import Xid
+        from coordinator.errors import LogWriteError
+        from resource_managers.message_log import Message, MessageLog
+        log = MessageLog({str(logdir)!r}, lazy_delay=60.0)
+        gid = Xid.branch_of("node-1:full-1", "mlog").to_gid()
+        log.prepare(gid, [Message("m1", "orders", b"x")])
+        ops, write, failing = log._journal._ops, log._journal._ops.write, [True]
+
+        def full_once(fd, data, offset):
+            if failing.pop() if failing else False:
+                raise OSError(errno.ENOSPC, "no space left on device")
+            return write(fd, data, offset)
+
+        ops.write = full_once
+        try:
+            log.rollback(gid)
+        except LogWriteError:
+            print("failed")
+        log.rollback(gid)  # the coordinator's retry
+        os._exit(0)  # no close: a crash as far as the log can tell
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "failed"
+    with MessageLog(logdir) as log:
+        assert log.prepared_gids() == [] and log.stats().tombstones == 1
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
