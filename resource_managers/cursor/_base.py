@@ -109,6 +109,12 @@ class CursorBase:
         if force:
             self._lazy.settle()
 
+    def _flush_journal(self) -> None:
+        try:
+            self._journal.flush()
+        except LogWriteError as exc:
+            raise self._located(exc) from exc
+
     def _located(self, exc: LogWriteError) -> LogWriteError:
         return LogWriteError(f"cursor {self.directory}: {exc.message}", durable=exc.durable)
 

@@ -95,12 +95,6 @@ class CarriedOps(CursorBase):
         if gid in self._staged or gid in self._state.prepared:
             raise BranchRolledBack(f"{gid} is already staged or prepared here")
 
-    def _flush_journal(self) -> None:
-        try:
-            self._journal.flush()
-        except LogWriteError as exc:
-            raise self._located(exc) from exc
-
     def _carried_window(self, taken: dict[str, int], skip: Collection[str]) -> list[str]:
         """`_precount.window`, less the messages whose arrival is not known durable, the topic
         copies (their ``K`` records are lazy and not tracked) and non-persistent messages

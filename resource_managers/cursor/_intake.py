@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from coordinator.crashpoints import crash_point
-from coordinator.errors import IllegalStateError, LogWriteError, ProgrammingError
+from coordinator.errors import IllegalStateError, ProgrammingError
 from resource_managers.message_log import VOLATILE_SUFFIX, Message, check_message
 from resource_managers.sequencing import Ack, Decision, Frame, StreamFilter, stream_key
 
@@ -210,10 +210,7 @@ class Intake(CursorBase):
         if ticket is not None and ticket.error is not None:  # applied, never written
             raise self._located(ticket.error)
         if ticket is not None and not ticket.done:
-            try:
-                self._journal.flush()
-            except LogWriteError as exc:
-                raise self._located(exc) from exc
+            self._flush_journal()
             self._lazy.settle()
 
     def _accept_record(

@@ -102,6 +102,10 @@ class LogBase:
 
     # -- the journal ---------------------------------------------------------------------------
 
+    def _located(self, exc: LogWriteError) -> LogWriteError:
+        """``exc`` naming this log's directory (a journal's errors name only its file)."""
+        return LogWriteError(f"message log {self.directory}: {exc.message}", durable=exc.durable)
+
     def _append(self, records: Iterable[dict[str, Any]], force: bool) -> None:
         """Write, then apply, inside the gate (so a rollover never sees one without the other).
         Several records (a large prepare's parts) go as one group: every one passes the size
@@ -116,9 +120,7 @@ class LogBase:
                 else:
                     self._journal.append_many(payloads, force)
             except LogWriteError as exc:
-                raise LogWriteError(
-                    f"message log {self.directory}: {exc.message}", durable=exc.durable
-                ) from exc
+                raise self._located(exc) from exc
             with self._lock:
                 for record in records:
                     if record["k"] in ("C", "R"):

@@ -207,9 +207,7 @@ class BranchOps(LogBase):
                     self.changed.notify_all()
             except LogWriteError as exc:
                 self._publish([], [], numbers, one_phase=False, committed=gid)  # burned
-                raise LogWriteError(
-                    f"message log {self.directory}: {exc.message}", durable=exc.durable
-                ) from exc
+                raise self._located(exc) from exc
         finally:
             self._gate.exit_shared()
 
@@ -296,17 +294,13 @@ class BranchOps(LogBase):
                 try:
                     ticket = self._journal.submit(payload, durable)
                 except LogWriteError as exc:
-                    raise LogWriteError(
-                        f"message log {self.directory}: {exc.message}", durable=exc.durable
-                    ) from exc
+                    raise self._located(exc) from exc
                 self._hold_locked(self._state.prepared.get(gid, []), -1)
                 self._state.apply(record)
             try:
                 self._journal.wait(ticket)
             except LogWriteError as exc:
-                raise LogWriteError(
-                    f"message log {self.directory}: {exc.message}", durable=exc.durable
-                ) from exc
+                raise self._located(exc) from exc
         finally:
             self._gate.exit_shared()
         self._compaction.maybe()

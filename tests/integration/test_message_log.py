@@ -331,6 +331,14 @@ def test_acknowledgment_compacts_and_survives_reopen(logdir: Path) -> None:
         assert bodies(log, "orders") == [(58, b"next")]  # numbers never go back
 
 
+def crashed(script: str) -> str:
+    """Run ``script`` (one that ends in ``os._exit``: a crash as far as the log can tell) in a
+    process of its own; what it printed."""
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+
+
 def test_non_persistent_messages_skip_fsync_and_vanish_in_a_crash(logdir: Path) -> None:
     script = textwrap.dedent(
         f"""
@@ -351,10 +359,7 @@ def test_non_persistent_messages_skip_fsync_and_vanish_in_a_crash(logdir: Path) 
         os._exit(0)  # no close: a crash as far as the log can tell
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
-    )
-    old_epoch = int(out.stdout)
+    old_epoch = int(crashed(script))
     with MessageLog(logdir) as log:
         assert log.pending("news#np") == [] and log.prepared_gids() == []
         mr = MessageLogResource(log)
@@ -385,7 +390,7 @@ def test_the_rollback_of_a_prepared_branch_survives_a_crash(logdir: Path) -> Non
         os._exit(0)  # no close: a crash as far as the log can tell
         """
     )
-    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True)
+    crashed(script)
     with MessageLog(logdir) as log:
         assert log.prepared_gids() == [] and log.pending("orders") == []
         assert log.stats().tombstones == 1
@@ -431,10 +436,7 @@ def test_a_rollback_racing_the_prepares_fsync_is_forced_too(logdir: Path) -> Non
         os._exit(0)  # no close: a crash as far as the log can tell
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "BranchRolledBack"
+    assert crashed(script).strip() == "BranchRolledBack"
     with MessageLog(logdir) as log:
         assert log.prepared_gids() == [] and log.stats().tombstones == 1
 
@@ -468,10 +470,7 @@ def test_a_rollback_retried_after_its_tombstone_failed_to_write_is_forced(logdir
         os._exit(0)  # no close: a crash as far as the log can tell
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "failed"
+    assert crashed(script).strip() == "failed"
     with MessageLog(logdir) as log:
         assert log.prepared_gids() == [] and log.stats().tombstones == 1
 
@@ -595,9 +594,9 @@ def test_exactly_once_after_kill_at_each_crash_point(
 ) -> None:
     url = make_pg_database()
     ledger_engine(url, accounts=1).dispose()
-    crashed = worker("run", url, tmp_path, crash_at=f"{point}:3", flags=flags)
-    assert crashed.returncode == -9, crashed.stderr
-    acked = [line.split()[1] for line in crashed.stdout.splitlines() if line.startswith("ACK")]
+    killed = worker("run", url, tmp_path, crash_at=f"{point}:3", flags=flags)
+    assert killed.returncode == -9, killed.stderr
+    acked = [line.split()[1] for line in killed.stdout.splitlines() if line.startswith("ACK")]
     # a point reached after the commit returned (a durability callback) may follow m2's ACK
     assert acked in (["m0", "m1"], ["m0", "m1", "m2"]), acked
     state = recovered(url, tmp_path, flags)
@@ -627,8 +626,8 @@ def test_a_carried_branch_is_restored_once_across_a_kill_in_recovery(
     url = make_pg_database()
     ledger_engine(url, accounts=1).dispose()
     point = "tm.llr.after_commit:3" if lost else "mlog.mlog.carried_durable:3"
-    crashed = worker("run", url, tmp_path, crash_at=point, flags=LLR)
-    assert crashed.returncode == -9, crashed.stderr
+    killed = worker("run", url, tmp_path, crash_at=point, flags=LLR)
+    assert killed.returncode == -9, killed.stderr
     killed = worker("recover", url, tmp_path, crash_at="recovery.carried.after_restore", flags=LLR)
     assert killed.returncode == (-9 if lost else 0), killed.stderr  # nothing to restore if kept
     state = recovered(url, tmp_path, LLR)
@@ -644,10 +643,10 @@ def test_a_kill_before_the_log_forgets_a_carried_commit_leaves_nothing(
     not forgotten the gid yet: recovery finds it remembered with no row, and forgets it."""
     url = make_pg_database()
     ledger_engine(url, accounts=1).dispose()
-    crashed = worker("run", url, tmp_path, crash_at="tm.carried.before_forget", flags=LLR)
-    assert crashed.returncode == -9, crashed.stderr
+    killed = worker("run", url, tmp_path, crash_at="tm.carried.before_forget", flags=LLR)
+    assert killed.returncode == -9, killed.stderr
     state = recovered(url, tmp_path, LLR)
-    acked = [line.split()[1] for line in crashed.stdout.splitlines() if line.startswith("ACK")]
+    acked = [line.split()[1] for line in killed.stdout.splitlines() if line.startswith("ACK")]
     assert [body for _, body in state["pending"]] == state["rows"]
     assert set(acked) <= set(state["rows"]) and len(state["rows"]) == 2
     assert state["remembered"] == [] and state["decision_rows"] == 0

@@ -42,6 +42,15 @@ def mlog(tmp_path: Path) -> Iterator[MessageLog]:
         yield log
 
 
+def stack(
+    engine: sa.Engine, mlog: MessageLog, managers: list[TransactionManager], tmp_path: Path
+) -> tuple[PostgresResource, MessageLogResource, TransactionManager]:
+    """A last resource on ``engine`` and a message log branch under one transaction manager."""
+    pg = PostgresResource(engine, "pg", last_resource=True)
+    mr = MessageLogResource(mlog)
+    return pg, mr, make_manager(managers, [pg, mr], FileDecisionLog(tmp_path / "log"))
+
+
 def held(
     tm: TransactionManager, pg: PostgresResource, tid: str, mr: MessageLogResource | None = None
 ) -> list[str]:
@@ -64,9 +73,7 @@ def test_prepared_on_the_second_use_and_used_with_carried_branches(
 ) -> None:
     engine = reused(url)
     try:
-        pg = PostgresResource(engine, "pg", last_resource=True)
-        mr = MessageLogResource(mlog)
-        tm = make_manager(managers, [pg, mr], FileDecisionLog(tmp_path / "log"))
+        pg, mr, tm = stack(engine, mlog, managers, tmp_path)
         assert held(tm, pg, "t1") == []  # the first use only notes the connection
         names = held(tm, pg, "t2")
         assert len(names) == 4 and all(n.startswith("twopc_") for n in names)
@@ -92,9 +99,7 @@ def test_a_fenced_commit_fails_through_the_prepared_check(
     engine = reused(url)
     other = sa.create_engine(url)
     try:
-        pg = PostgresResource(engine, "pg", last_resource=True)
-        mr = MessageLogResource(mlog)
-        tm = make_manager(managers, [pg, mr], FileDecisionLog(tmp_path / "log"))
+        pg, mr, tm = stack(engine, mlog, managers, tmp_path)
         held(tm, pg, "t1")
         assert held(tm, pg, "t2")
         PostgresResource(other, "pg", last_resource=True).fence_node(tm.node_id)
@@ -117,9 +122,7 @@ def test_a_connection_that_lost_them_costs_one_rollback_then_none(
 ) -> None:
     engine = reused(url)
     try:
-        pg = PostgresResource(engine, "pg", last_resource=True)
-        mr = MessageLogResource(mlog)
-        tm = make_manager(managers, [pg, mr], FileDecisionLog(tmp_path / "log"))
+        pg, mr, tm = stack(engine, mlog, managers, tmp_path)
         held(tm, pg, "t1", mr)
         assert held(tm, pg, "t2", mr)
         with (
@@ -171,9 +174,7 @@ def test_psycopg3_with_its_own_preparation_on_never_gets_ours(
     none there, and a warmed-up cache followed by a rollback costs nothing."""
     engine = ledger_engine(on_driver(make_pg_database(), "psycopg"), pool_size=1, max_overflow=0)
     try:
-        pg = PostgresResource(engine, "pg", last_resource=True)
-        mr = MessageLogResource(mlog)
-        tm = make_manager(managers, [pg, mr], FileDecisionLog(tmp_path / "log"))
+        pg, mr, tm = stack(engine, mlog, managers, tmp_path)
         for i in range(8):  # psycopg prepares the application's statements after five runs
             assert held(tm, pg, f"t{i}", mr) == []
         with pytest.raises(RuntimeError), tm.transaction() as tx:
