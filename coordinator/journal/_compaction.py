@@ -37,7 +37,10 @@ class Compaction:
         self._rolling = threading.Lock()
 
     def maybe(self) -> None:
-        if not self._journal.needs_rollover or not self._rolling.acquire(blocking=False):
+        journal = self._journal
+        if journal.poisoned:  # it refuses writes until reopened, a rollover's too: no traceback
+            return
+        if not journal.needs_rollover or not self._rolling.acquire(blocking=False):
             return
         try:
             self._gate.enter_exclusive()

@@ -5,7 +5,10 @@ the records mean; its owner replays them on open and says, at rollover, which on
 
 Failure rules, in one place because a caller's safety depends on them:
 - a failed write is cut back to where its batch began and fsync'd; every record of the batch gets
-  ``LogWriteError(durable=False)`` (certainly not in the log) and the journal stays usable;
+  ``LogWriteError(durable=False)`` (certainly not in the log) and the journal stays usable, unless
+  its owner applies records when it queues them (``applied_when_queued``): that owner's memory now
+  holds what the disk does not, so the journal is poisoned as below, and a reopen reads the state
+  back from the file;
 - a failed fsync gives ``durable=None`` (may or may not be on disk) and poisons the journal: after
   an fsync error the kernel may have dropped dirty pages and cleared the error, so nothing written
   later can be trusted until the journal is reopened and the file read back;
@@ -70,6 +73,7 @@ class Journal:
         file_ops: FileOps | None = None,
         max_record_bytes: int = MAX_RECORD_BYTES,
         kind: str = "",
+        applied_when_queued: bool = False,
     ) -> None:
         if not 0 < max_record_bytes <= MAX_RECORD_BYTES:
             raise ValueError(f"max_record_bytes must be in 1..{MAX_RECORD_BYTES}")
@@ -85,6 +89,10 @@ class Journal:
         self._max_record = max_record_bytes
         self._stats = JournalStats()
         self._poison: str | None = None
+        #: the owner applies a record to its state when it queues it (`submit`), before the write:
+        #: a failed write, even one cut back cleanly, leaves that state ahead of the disk, so it
+        #: poisons the journal (nothing later may be written on top of what memory assumes)
+        self._applied_when_queued = applied_when_queued
         self._shut = False
         self._close_lock = threading.Lock()
         self._closed = False
@@ -239,6 +247,10 @@ class Journal:
             ) from exc
         self._stats.fsyncs += 1
         log.error("journal: write to %s failed and was cut back: %s", active.path, exc)
+        if self._applied_when_queued:
+            self._poison_with(
+                f"write to {active.path} failed ({exc}) after its records were applied in memory"
+            )
         raise LogWriteError(
             f"write to {active.path} failed ({exc}); no record of this batch is in the log",
             durable=False,

@@ -113,6 +113,10 @@ def log_families(
         pending,
         gauge("twopc_log_prepared", "prepared producer branches").add(stats.prepared),
         gauge("twopc_log_streams", "streams the log holds").add(stats.streams),
+        gauge(
+            "twopc_log_refusing_writes",
+            "1 once a write failed after its records were applied: restart the server",
+        ).add(int(stats.refusing_writes)),
     ]
 
 
@@ -186,6 +190,10 @@ def cursor_families(
         *subscription_families(cursor),
         *dispatch_families(cursor, topics),
         gauge("twopc_cursor_prepared", "prepared consumer branches").add(stats.prepared),
+        gauge(
+            "twopc_cursor_refusing_writes",
+            "1 once a write failed after its records were applied: restart the server",
+        ).add(int(stats.refusing_writes)),
         counter("twopc_cursor_expired_swept", "expired messages the sweep moved to a DLQ").add(
             0 if sweeper is None else sweeper.swept
         ),

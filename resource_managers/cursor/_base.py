@@ -64,8 +64,9 @@ class CursorBase:
         gate (a rollover never sees one without the other). Queue order is the journal's write
         order, so the state applies records in the order a replay will: a decision taken in an
         ``apply`` (a dead letter replayed or not, a copy made or skipped) comes out the same.
-        A forced record that then fails poisons the journal: nothing later is written, and the
-        next open rebuilds the state from what the disk holds."""
+        A record that then fails to write, forced or lazy, poisons the journal (it was opened
+        ``applied_when_queued``): nothing later is written, and the next open rebuilds the state
+        from what the disk holds."""
         self._gate.enter_shared()
         try:
             with self._lock:

@@ -97,6 +97,7 @@ class Cursor(Intake, CarriedOps, BranchOps, SubscriptionOps, DispatchOps, DeadLe
             segment_bytes=segment_bytes,
             file_ops=file_ops,
             kind="cursor",
+            applied_when_queued=True,  # `_submit_locked`, `deliver_lazily`
         )
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"cursor {self.directory}", log
@@ -153,7 +154,7 @@ class Cursor(Intake, CarriedOps, BranchOps, SubscriptionOps, DispatchOps, DeadLe
                 j.forced_records, j.lazy_records, j.fsyncs, j.rollovers,
                 sum(len(ids) for ids in s.available.values()),
                 sum(len(ids) for ids in s.handed.values()),
-                len(s.prepared), len(s.tombstones),
+                len(s.prepared), len(s.tombstones), self._journal.poisoned,
             )  # fmt: skip
 
     def close(self) -> None:

@@ -113,3 +113,6 @@ class CursorStats:
     in_flight: int
     prepared: int
     tombstones: int
+    #: a write failed after its records were applied in memory: the store refuses writes until
+    #: it is reopened (its state read back from disk); see `Journal`'s failure rules
+    refusing_writes: bool = False

@@ -53,6 +53,9 @@ class MessageLogStats:
     tombstones: int
     pending: int
     streams: int
+    #: a write failed after its records were applied in memory: the store refuses writes until
+    #: it is reopened (its state read back from disk); see `Journal`'s failure rules
+    refusing_writes: bool = False
 
 
 def now_ms() -> int:

@@ -285,7 +285,7 @@ class BranchOps(LogBase):
                 volatile = self._volatile_prepared.pop(gid, [])
                 self._hold_locked(volatile, -1)
                 # a tombstone already here may be one whose forced write failed (applied when
-                # queued; a write cut back cleanly does not poison the journal): force again
+                # queued; the journal refuses writes since, but should one ever go on): force
                 durable = (
                     gid in self._state.prepared
                     or gid in self._preparing

@@ -119,6 +119,7 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
             segment_bytes=segment_bytes,
             file_ops=file_ops,
             kind="message-log",
+            applied_when_queued=True,  # `_submit_settling`, `rollback`, the lazy records
         )
         self._compaction = Compaction(
             self._journal, self._gate, self._carry, f"message log {self.directory}", log
@@ -203,6 +204,7 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
                 j.forced_records, j.lazy_records, j.fsyncs, j.rollovers,
                 len(self._state.prepared) + len(self._volatile_prepared),
                 len(self._state.tombstones), pending, len(self._state.streams),
+                self._journal.poisoned,
             )  # fmt: skip
 
     def journal_stats(self) -> JournalStats:

@@ -18,7 +18,6 @@ from pathlib import Path
 from coordinator import MemoryDecisionLog, TransactionManager, Xid
 from messaging.auth import SharedSecret, TlsConfig
 from messaging.remote import RemoteCursor, RemoteMessageLog
-from tests.support.msg_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TWOPC = "import sys; from coordinator.cli import main; sys.exit(main())"
@@ -34,7 +33,21 @@ def twopc(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     )  # fmt: skip
 
 
-def _serve(*args: str) -> subprocess.Popen[str]:
+@dataclass
+class Served:
+    """A ``twopc serve`` process and the ports it printed: the kernel's choice for a port 0, so
+    no test picks a free port that a parallel test then takes before the server binds it."""
+
+    proc: subprocess.Popen[str]
+    port: int
+    metrics_port: int = 0
+
+
+def _port(line: str) -> int:
+    return int(line.strip().removesuffix("/metrics").rsplit(":", 1)[1])
+
+
+def _serve(*args: str) -> Served:
     proc = subprocess.Popen(
         [sys.executable, "-c", TWOPC, "serve", *args], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, cwd=REPO,
@@ -45,7 +58,15 @@ def _serve(*args: str) -> subprocess.Popen[str]:
     if not line.startswith("listening on"):
         proc.kill()
         raise AssertionError(line + proc.stdout.read())
-    return proc
+    served = Served(proc, _port(line))
+    while "--metrics" in args and not served.metrics_port:
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(f"no metrics endpoint: {proc.stdout.read()}")
+        if line.startswith("metrics on"):
+            served.metrics_port = _port(line)
+    return served
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -61,8 +82,9 @@ class Stack:
 
     root: Path
     tls: TlsConfig | None
-    cursor_port: int = field(default_factory=free_port)
-    log_port: int = field(default_factory=free_port)
+    #: 0 until the first `start` (the kernel picks); a restart keeps the port
+    cursor_port: int = 0
+    log_port: int = 0
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
@@ -88,14 +110,23 @@ class Stack:
                 "--tls-ca", str(self.tls.cafile)]  # fmt: skip
 
     def start(self) -> None:
-        self.procs.append(_serve(
-            "cursor", "--dir", str(self.cursor_dir), "--listen", f"127.0.0.1:{self.cursor_port}",
-            "--max-deliveries", str(MAX_DELIVERIES), *self.tls_flags(),
-        ))  # fmt: skip
-        self.procs.append(_serve(
-            "log", "--dir", str(self.root / "log"), "--listen", f"127.0.0.1:{self.log_port}",
-            "--cursor", f"127.0.0.1:{self.cursor_port}", *self.tls_flags(),
-        ))  # fmt: skip
+        self.start_cursor("--max-deliveries", str(MAX_DELIVERIES), *self.tls_flags())
+        self.start_log(*self.tls_flags())
+
+    def start_cursor(self, *flags: str) -> Served:
+        cursor = _serve("cursor", "--dir", str(self.cursor_dir),
+                        "--listen", f"127.0.0.1:{self.cursor_port}", *flags)  # fmt: skip
+        self.procs.append(cursor.proc)
+        self.cursor_port = cursor.port
+        return cursor
+
+    def start_log(self, *flags: str) -> Served:
+        log = _serve("log", "--dir", str(self.root / "log"), "--listen",
+                     f"127.0.0.1:{self.log_port}", "--cursor", f"127.0.0.1:{self.cursor_port}",
+                     *flags)  # fmt: skip
+        self.procs.append(log.proc)
+        self.log_port = log.port
+        return log
 
     def stop(self) -> None:
         """SIGTERM both; each must stop cleanly. The cursor directory is free afterwards."""

@@ -28,7 +28,7 @@ from messaging.remote import RemoteCursor
 from messaging.session import AckMode, Session
 from resource_managers.cursor import Delivery
 from resource_managers.postgres import PostgresResource
-from tests.integration.cursor_stack import Stack, _serve, _stop
+from tests.integration.cursor_stack import Stack, _stop
 from tests.support.fault_proxy import FaultProxy, ReplyFault
 
 pytestmark = pytest.mark.slow
@@ -53,14 +53,8 @@ class _Stack(Stack):
     is rolled back several times must never reach the dead-letter queue here."""
 
     def start(self) -> None:
-        self.procs.append(_serve(
-            "cursor", "--dir", str(self.cursor_dir), "--listen", f"127.0.0.1:{self.cursor_port}",
-            "--max-deliveries", "1000",
-        ))  # fmt: skip
-        self.procs.append(_serve(
-            "log", "--dir", str(self.root / "log"), "--listen", f"127.0.0.1:{self.log_port}",
-            "--cursor", f"127.0.0.1:{self.cursor_port}",
-        ))  # fmt: skip
+        self.start_cursor("--max-deliveries", "1000")
+        self.start_log()
 
 
 @pytest.fixture

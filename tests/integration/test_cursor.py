@@ -290,6 +290,71 @@ def test_an_acknowledgment_never_runs_ahead_of_a_lazy_arrival(curdir: Path) -> N
         assert available(c) == [b"a"]  # acknowledged, so it must be here
 
 
+def test_an_arrival_that_failed_to_write_stops_the_cursor_until_reopened(curdir: Path) -> None:
+    """A lazy ``M`` is applied when queued: the message is available and the stream's filter has
+    moved before the write. That write fails (no space, cut back): no acknowledgment may report
+    that filter and no delivery of the message may commit, so the cursor refuses every write
+    until reopened; the reopened cursor has neither the message nor its filter (the log, never
+    acknowledged, sends it again)."""
+    script = textwrap.dedent(
+        f"""
+        import errno, os, threading, uuid
+        from coordinator import Xid
+        from coordinator.errors import LogWriteError
+        from resource_managers.cursor import Cursor, CursorResource
+        from resource_managers.message_log import Message
+        from resource_managers.sequencing import Frame
+        c = Cursor({str(curdir)!r}, lazy_delay=60.0)
+        ops, write, failing = c._journal._ops, c._journal._ops.write, [True]
+
+        def full_once(fd, data, offset):
+            if failing.pop() if failing else False:
+                raise OSError(errno.ENOSPC, "no space left on device")
+            return write(fd, data, offset)
+
+        ops.write = full_once
+        sent = []
+        m = Message(uuid.uuid4().hex, "orders", b"a", {{}})
+        c.deliver_lazily([(Frame("orders", 7, 1, 0, m.message_id), m)], sent.append)
+        try:
+            c._journal.flush()
+        except LogWriteError:
+            print("failed")
+        n = Message(uuid.uuid4().hex, "orders", b"b", {{}})
+        for attempt in ("deliver", "receive"):
+            try:
+                if attempt == "deliver":
+                    c.deliver_many([(Frame("orders", 7, 2, 1, n.message_id), n)])
+                else:
+                    cr = CursorResource(c)
+                    xid = Xid.branch_of("node-1:r-1", cr.name)
+                    cr.start(xid).receive("orders", timeout=0)
+                    cr.end(xid)
+                    cr.commit(xid, one_phase=True)
+                print(attempt, "returned")
+            except LogWriteError as exc:
+                print(attempt, "refused" if "until reopened" in str(exc) else exc)
+        print("acks", len(sent), c.stats().refusing_writes)
+        os._exit(0)  # no close: a crash as far as the cursor can tell
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [
+        "failed",
+        "deliver",
+        "refused",
+        "receive",
+        "refused",
+        "acks",
+        "0",
+        "True",
+    ]
+    with Cursor(curdir) as c:
+        assert available(c) == [] and not c.stats().refusing_writes
+
+
 def test_past_max_deliveries_the_message_moves_to_the_dead_letter_queue(
     curdir: Path, managers: list[TransactionManager]
 ) -> None:

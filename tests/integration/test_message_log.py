@@ -441,10 +441,12 @@ def test_a_rollback_racing_the_prepares_fsync_is_forced_too(logdir: Path) -> Non
         assert log.prepared_gids() == [] and log.stats().tombstones == 1
 
 
-def test_a_rollback_retried_after_its_tombstone_failed_to_write_is_forced(logdir: Path) -> None:
-    """The forced ``R`` of a prepared branch fails to write (no space; the write is cut back,
-    the journal goes on): the coordinator retries the rollback, and that retry must be forced
-    too, though the tombstone is already in memory, or a crash would bring the branch back."""
+def test_a_tombstone_that_failed_to_write_stops_the_log_until_reopened(logdir: Path) -> None:
+    """The forced ``R`` of a prepared branch fails to write (no space; the write is cut back):
+    the tombstone is in memory, not on disk. Nothing may be written on top of that, and no retry
+    of the coordinator's may succeed, or a crash would bring the branch back with nobody left to
+    ask: the log refuses writes until reopened, and the reopened log has the branch prepared
+    again (the coordinator's recovery rolls it back, presumed abort)."""
     script = textwrap.dedent(
         f"""
         import errno, os
@@ -462,17 +464,23 @@ def test_a_rollback_retried_after_its_tombstone_failed_to_write_is_forced(logdir
             return write(fd, data, offset)
 
         ops.write = full_once
-        try:
-            log.rollback(gid)
-        except LogWriteError:
-            print("failed")
-        log.rollback(gid)  # the coordinator's retry
+        for attempt in ("first", "retry"):
+            try:
+                log.rollback(gid)
+                print(attempt, "returned")
+            except LogWriteError as exc:
+                print(attempt, "refused" if "until reopened" in str(exc) else "failed")
+        print(log.stats().refusing_writes)
         os._exit(0)  # no close: a crash as far as the log can tell
         """
     )
-    assert crashed(script).strip() == "failed"
+    assert crashed(script).split() == ["first", "failed", "retry", "refused", "True"]
+    gid = Xid.branch_of("node-1:full-1", "mlog").to_gid()
     with MessageLog(logdir) as log:
-        assert log.prepared_gids() == [] and log.stats().tombstones == 1
+        assert log.prepared_gids() == [gid] and log.stats().tombstones == 0
+        assert not log.stats().refusing_writes
+        log.rollback(gid)
+        assert log.prepared_gids() == [] and log.pending("orders") == []
 
 
 # -- bad input -----------------------------------------------------------------------------------

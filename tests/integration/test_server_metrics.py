@@ -18,7 +18,7 @@ import json
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from coordinator import Xid
 from messaging.auth import SharedSecret
 from messaging.metrics import MetricsEndpoint, render_text
 from messaging.server import CursorServer
-from tests.integration.cursor_stack import SECRET, Stack, _serve, twopc, wait_for
+from tests.integration.cursor_stack import SECRET, Stack, twopc, wait_for
 from tests.support.msg_cluster import free_port
 
 
@@ -36,19 +36,15 @@ from tests.support.msg_cluster import free_port
 class Servers(Stack):
     """A cursor (expiry sweep every 0.2 s) and a log transferring to it, both with --metrics."""
 
-    cursor_metrics: int = field(default_factory=free_port)
-    log_metrics: int = field(default_factory=free_port)
+    cursor_metrics: int = 0  # the kernel's choice at the first start, as the servers' ports
+    log_metrics: int = 0
 
     def start(self) -> None:
-        self.procs.append(_serve(
-            "cursor", "--dir", str(self.cursor_dir), "--listen", f"127.0.0.1:{self.cursor_port}",
-            "--metrics", f"127.0.0.1:{self.cursor_metrics}", "--expiry-sweep", "0.2",
-        ))  # fmt: skip
-        self.procs.append(_serve(
-            "log", "--dir", str(self.root / "log"), "--listen", f"127.0.0.1:{self.log_port}",
-            "--cursor", f"127.0.0.1:{self.cursor_port}",
-            "--metrics", f"127.0.0.1:{self.log_metrics}",
-        ))  # fmt: skip
+        cursor = self.start_cursor(
+            "--metrics", f"127.0.0.1:{self.cursor_metrics}", "--expiry-sweep", "0.2"
+        )
+        self.cursor_metrics = cursor.metrics_port
+        self.log_metrics = self.start_log("--metrics", f"127.0.0.1:{self.log_metrics}").metrics_port
 
 
 @pytest.fixture
@@ -104,6 +100,7 @@ def test_both_servers_serve_metrics_that_prometheus_parses(servers: Servers) -> 
     assert sample(log, "twopc_listener_authenticated_total") >= 1
     assert sample(log, "twopc_internal_errors_total") == 0
     assert sample(log, "twopc_log_prepared") == 0
+    assert sample(log, "twopc_log_refusing_writes") == 0
 
     cur = scrape(servers.cursor_metrics)
     assert sample(cur, "twopc_queue_available", queue="orders") == 3
@@ -112,6 +109,7 @@ def test_both_servers_serve_metrics_that_prometheus_parses(servers: Servers) -> 
     assert sample(cur, "twopc_journal_fsyncs_total") >= 1
     assert sample(cur, "twopc_listener_open_connections") >= 1  # the log's transfer
     assert sample(cur, "twopc_dispatch_backlog") == 0
+    assert sample(cur, "twopc_cursor_refusing_writes") == 0
 
     with servers.cursor() as remote:  # a durable subscription shows up with its gauges
         remote.subscribe("topic:news", "audit")

@@ -352,6 +352,31 @@ def test_full_disk_on_write_is_not_durable_and_leaves_no_partial_record(tmp_path
     assert replayed(tmp_path) == [b"kept", b"after"]
 
 
+def test_a_cut_back_write_poisons_a_journal_whose_owner_applied_the_records(
+    tmp_path: Path,
+) -> None:
+    """An owner that applies records when it queues them (the message log, the cursor) holds in
+    memory what the failed write did not put on disk: nothing may be written on top of that
+    until a reopen reads the state back, though the batch itself is certainly not durable."""
+    ops = FaultyOps()
+    journal = Journal(tmp_path, file_ops=ops, applied_when_queued=True)
+    journal.append(b"kept")
+    ops.write_errno = errno.ENOSPC
+    with pytest.raises(LogWriteError, match="No space") as info:
+        journal.append(b"applied in memory, never written", force=False)
+        journal.flush()
+    assert info.value.durable is False and journal.poisoned
+    ops.write_errno = None
+    with pytest.raises(LogWriteError, match="refuses writes until reopened") as refused:
+        journal.append(b"on top of it")
+    assert refused.value.durable is False
+    journal.close()
+    assert replayed(tmp_path) == [b"kept"]
+    with Journal(tmp_path, applied_when_queued=True) as reopened:
+        reopened.append(b"after a reopen")
+    assert replayed(tmp_path) == [b"kept", b"after a reopen"]
+
+
 def test_full_disk_fails_every_record_of_the_batch(tmp_path: Path) -> None:
     ops = FaultyOps()
     journal = Journal(tmp_path, file_ops=ops)
