@@ -304,15 +304,10 @@ def test_an_arrival_that_failed_to_write_stops_the_cursor_until_reopened(curdir:
         from resource_managers.cursor import Cursor, CursorResource
         from resource_managers.message_log import Message
         from resource_managers.sequencing import Frame
-        c = Cursor({str(curdir)!r}, lazy_delay=60.0)
-        ops, write, failing = c._journal._ops, c._journal._ops.write, [True]
-
-        def full_once(fd, data, offset):
-            if failing.pop() if failing else False:
-                raise OSError(errno.ENOSPC, "no space left on device")
-            return write(fd, data, offset)
-
-        ops.write = full_once
+        from tests.support.faulty_ops import FaultyOps
+        ops = FaultyOps()
+        c = Cursor({str(curdir)!r}, lazy_delay=60.0, file_ops=ops)
+        ops.write_errno = errno.ENOSPC  # the next write, once
         sent = []
         m = Message(uuid.uuid4().hex, "orders", b"a", {{}})
         c.deliver_lazily([(Frame("orders", 7, 1, 0, m.message_id), m)], sent.append)

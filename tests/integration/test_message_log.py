@@ -453,17 +453,12 @@ def test_a_tombstone_that_failed_to_write_stops_the_log_until_reopened(logdir: P
         from coordinator import Xid
         from coordinator.errors import LogWriteError
         from resource_managers.message_log import Message, MessageLog
-        log = MessageLog({str(logdir)!r}, lazy_delay=60.0)
+        from tests.support.faulty_ops import FaultyOps
+        ops = FaultyOps()
+        log = MessageLog({str(logdir)!r}, lazy_delay=60.0, file_ops=ops)
         gid = Xid.branch_of("node-1:full-1", "mlog").to_gid()
         log.prepare(gid, [Message("m1", "orders", b"x")])
-        ops, write, failing = log._journal._ops, log._journal._ops.write, [True]
-
-        def full_once(fd, data, offset):
-            if failing.pop() if failing else False:
-                raise OSError(errno.ENOSPC, "no space left on device")
-            return write(fd, data, offset)
-
-        ops.write = full_once
+        ops.write_errno = errno.ENOSPC  # the next write, once
         for attempt in ("first", "retry"):
             try:
                 log.rollback(gid)
