@@ -165,8 +165,12 @@ class Journal:
         self._committer.wait(ticket)
 
     def flush(self) -> None:
-        """Make every record appended so far durable, lazy ones included."""
+        """Make every record appended so far durable, lazy ones included. Raises if one may not
+        be: a poisoned journal raises even with nothing queued, since the records of the batch
+        that poisoned it were queued before this call and are not on disk."""
         self._committer.sync()
+        if self._poison is not None:
+            raise self._poisoned_error()
 
     @property
     def needs_rollover(self) -> bool:

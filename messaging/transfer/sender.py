@@ -187,6 +187,11 @@ class LogTransfer:
 
     def _pump(self) -> None:
         failures = 0
+        # the cursor closed on us with an error, or this log refused a write: both stay so
+        # until someone acts (a full disk, a fenced log), so the pump backs off, not only until
+        # the next connect succeeds (which it does at once), but until an acknowledgment is
+        # recorded again
+        refused = 0
         while not self._closing.is_set():
             if self._conn is None:
                 if not self._open():
@@ -197,7 +202,10 @@ class LogTransfer:
             conn = self._conn
             assert conn is not None
             try:
+                acknowledged = self.stats["acknowledged"]
                 self._take_replies(conn)
+                if self.stats["acknowledged"] > acknowledged:
+                    refused = 0
                 more = self._step()
                 if not more:
                     self._idle(conn, self._sleep())
@@ -205,6 +213,18 @@ class LogTransfer:
                 self.stats["silent_peer"] += 1
                 log.warning("%s: the cursor is silent; reconnecting", self.name)
                 self._drop()
+            except _ClosedByCursor as exc:
+                self.stats["closed_by_cursor"] += 1
+                log.warning("%s: %s", self.name, exc)
+                self._drop()
+                refused += 1
+                self._closing.wait(self.reconnect.compute(refused))
+            except LogError as exc:  # an acknowledgment or a drop not written: the log refuses
+                self.stats["log_errors"] += 1
+                log.error("%s: the message log refused a write: %s", self.name, exc.message)
+                self._drop()
+                refused += 1
+                self._closing.wait(self.reconnect.compute(refused))
             except (OSError, FrameError) as exc:
                 self.stats["connection_errors"] += 1
                 log.info("%s: connection lost: %s", self.name, exc)
@@ -366,7 +386,7 @@ class LogTransfer:
         elif isinstance(frame, ErrorFrame):
             if frame.code == LOG_FENCED:
                 self._fenced(frame.message)
-            raise ConnectionAbortedError(f"the cursor closes: {frame.code} {frame.message}")
+            raise _ClosedByCursor(f"the cursor closes: {frame.code} {frame.message}")
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame on a transfer")
 
@@ -440,6 +460,11 @@ class LogTransfer:
             crash_point("xfer.log.before_compact")
             self.mlog.acknowledge(ack.stream, ack.epoch, ack.seq)
             self.stats["acknowledged"] += len(result.acknowledged)
+
+
+class _ClosedByCursor(ConnectionAbortedError):
+    """The cursor sent an ``ERROR`` frame and closes: reconnecting at once would meet the same
+    refusal (a cursor that refuses writes, a fenced log)."""
 
 
 def _deadline(expires_at_ms: int | None) -> float | None:

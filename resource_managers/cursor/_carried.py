@@ -167,7 +167,7 @@ class CarriedOps(CursorBase):
             staged = self._staged.pop(gid, None)
             tombstoned = gid in self._state.tombstones
         if settling:
-            self._lazy.flush()
+            self._settled()
             return
         if remembered:
             return

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from coordinator.errors import ProgrammingError
+from coordinator.errors import LogWriteError, ProgrammingError
 from coordinator.journal import (
     DEFAULT_SEGMENT_BYTES,
     Compaction,
@@ -164,7 +164,10 @@ class Cursor(Intake, CarriedOps, BranchOps, SubscriptionOps, DispatchOps, DeadLe
         self._clear_carriers()
         self._give_back_credits()
         self._lazy.close()
-        self._journal.close()
+        try:
+            self._journal.close()
+        except LogWriteError as exc:  # lazy records only: as a crash would leave them
+            log.error("cursor %s: closed without its last lazy records: %s", self.directory, exc)
         self._lazy.settle()
 
     def __enter__(self) -> Cursor:

@@ -307,7 +307,7 @@ class BranchOps(CursorBase):
         """Delete the branch's messages (forced ``C``); nothing if it holds none. A commit whose
         lazy record is not durable yet (recovery's) returns once it is."""
         if gid in self._settling:
-            self._lazy.flush()
+            self._settled()
             return
         staged = self._staged.get(gid)
         if staged is not None:  # staged for a carried commit whose answer was lost: recovery's
@@ -326,7 +326,7 @@ class BranchOps(CursorBase):
         recovery still re-drives it from the decision the coordinator keeps
         (`coordinator.lazy_commit`); a crash before it only leaves the branch prepared."""
         if gid in self._settling:
-            self._lazy.flush()
+            self._settled()
         with self._lock:
             ids = self._state.branch_ids(gid)
         if not ids:

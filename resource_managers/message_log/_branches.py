@@ -131,7 +131,7 @@ class BranchOps(LogBase):
             numbers = [self._take_number(self._stream_of(m)) for m in durable]
             vnumbers = [self._take_number(self._stream_of(m)) for m in volatile]
         if not one_phase and settling:
-            self._lazy.flush()
+            self._settled()
             return
         try:
             if durable or (not one_phase and gid in self._state.prepared):
@@ -169,7 +169,7 @@ class BranchOps(LogBase):
                 numbers = [self._take_number(self._stream_of(m)) for m in durable]
                 vnumbers = [self._take_number(self._stream_of(m)) for m in volatile]
         if settling:  # committed lazily by another caller: report once that record is durable
-            self._lazy.flush()
+            self._settled()
             on_durable()
             return
         if gid not in self._state.prepared:

@@ -98,7 +98,7 @@ class CarriedOps(LogBase):
                 self._hold_locked(staged.messages, -1)
             tombstoned = gid in self._state.tombstones
         if settling:
-            self._lazy.flush()
+            self._settled()
             return
         if remembered:
             return

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 
 from coordinator.crashpoints import crash_point
-from coordinator.errors import ConfigurationError, ProgrammingError
+from coordinator.errors import ConfigurationError, LogWriteError, ProgrammingError
 from coordinator.journal import (
     DEFAULT_LAZY_DELAY,
     DEFAULT_SEGMENT_BYTES,
@@ -224,7 +224,12 @@ class MessageLog(BranchOps, CarriedOps, ReaderOps):
         except Exception:  # a forget lost is repeated by recovery; the close must go on
             log.warning("message log %s: pending forgets not written", self.directory)
         self._lazy.close()
-        self._journal.close()
+        try:
+            self._journal.close()
+        except LogWriteError as exc:  # lazy records only: as a crash would leave them
+            log.error(
+                "message log %s: closed without its last lazy records: %s", self.directory, exc
+            )
         self._lazy.settle()
 
     def __enter__(self) -> MessageLog:

@@ -5,6 +5,7 @@ competing consumers, recovery by a new manager, rollover, and a corrupt segment.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -30,6 +31,7 @@ from coordinator import (
     Xid,
 )
 from coordinator.decision_log import Decision
+from coordinator.errors import LogWriteError
 from resource_managers.cursor import (
     BranchRolledBack,
     ConsumerBranch,
@@ -40,6 +42,7 @@ from resource_managers.cursor import (
 from resource_managers.message_log import Message
 from resource_managers.postgres import PostgresResource
 from resource_managers.sequencing import Ack, Frame, Verdict
+from tests.support.faulty_ops import FaultyOps
 from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
 from tests.support.scripts import run_script
@@ -348,6 +351,32 @@ def test_an_arrival_that_failed_to_write_stops_the_cursor_until_reopened(curdir:
     ]
     with Cursor(curdir) as c:
         assert available(c) == [] and not c.stats().refusing_writes
+
+
+def test_a_lazy_commit_that_failed_to_write_is_never_reported_committed(curdir: Path) -> None:
+    """The lazy ``C`` of a prepared branch fails to write: the branch is still prepared on disk.
+    Recovery's commit (and a repeated phase two) must fail rather than return, or the
+    coordinator would forget a decision the cursor does not hold; the reopened cursor has the
+    branch prepared, and its commit then holds."""
+    ops = FaultyOps()
+    c = Cursor(curdir, file_ops=ops, lazy_delay=60.0)
+    feed(c, b"a")
+    gid = Xid.branch_of("node-1:lazy-1", "cursor").to_gid()
+    assert c.take(gid, "orders") is not None
+    c.prepare(gid)
+    ops.write_errno = errno.ENOSPC
+    durable: list[int] = []
+    c.commit_lazily(gid, lambda: durable.append(1))
+    with pytest.raises(LogWriteError, match="No space"):  # its flush writes the C: no space
+        c.commit(gid)  # recovery's, the decision being commit
+    with pytest.raises(LogWriteError, match="until reopened"):
+        c.commit_lazily(gid, lambda: durable.append(2))
+    assert durable == [] and c.prepared_gids() == [gid]
+    c.close()
+    with Cursor(curdir) as c:
+        assert c.prepared_gids() == [gid]
+        c.commit(gid)
+        assert c.prepared_gids() == [] and available(c) == []
 
 
 def test_past_max_deliveries_the_message_moves_to_the_dead_letter_queue(

@@ -4,6 +4,7 @@ compaction by acknowledgment, non-persistent messages, and bad input."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -30,17 +31,20 @@ from coordinator import (
     Xid,
 )
 from coordinator.decision_log import Decision
+from coordinator.errors import LogWriteError
 from coordinator.journal import Journal
 from resource_managers.message_log import (
     BranchRolledBack,
     DestinationFullError,
     InvalidMessageError,
+    Message,
     MessageLog,
     MessageLogResource,
     ProducerBranch,
 )
 from resource_managers.message_log._records import decode, to_message
 from resource_managers.postgres import PostgresResource
+from tests.support.faulty_ops import FaultyOps
 from tests.support.managers import make_manager
 from tests.support.pg import ledger_engine, move, prepared_gids, transfer_ids
 from tests.support.scripts import run_script
@@ -476,6 +480,30 @@ def test_a_tombstone_that_failed_to_write_stops_the_log_until_reopened(logdir: P
         assert not log.stats().refusing_writes
         log.rollback(gid)
         assert log.prepared_gids() == [] and log.pending("orders") == []
+
+
+def test_a_lazy_commit_that_failed_to_write_is_never_reported_committed(logdir: Path) -> None:
+    """The lazy ``C`` of a prepared branch fails to write: the branch is still prepared on disk.
+    Recovery's commit, a repeated phase two and a restore from a decision row must fail rather
+    than return, or the coordinator would forget a decision the log does not hold (and the
+    other branches' messages would go out without these)."""
+    ops = FaultyOps()
+    log = MessageLog(logdir, file_ops=ops, lazy_delay=60.0)
+    gid = Xid.branch_of("node-1:lazy-1", "mlog").to_gid()
+    log.prepare(gid, [Message("m1", "orders", b"x")])
+    ops.write_errno = errno.ENOSPC
+    durable: list[int] = []
+    log.commit_lazily(gid, lambda: durable.append(1))
+    with pytest.raises(LogWriteError, match="No space"):  # its flush writes the C: no space
+        log.commit(gid)
+    with pytest.raises(LogWriteError, match="until reopened"):
+        log.commit_lazily(gid, lambda: durable.append(2))
+    assert durable == [] and log.pending("orders") == []
+    log.close()
+    with MessageLog(logdir) as log:
+        assert log.prepared_gids() == [gid]
+        log.commit(gid)
+        assert bodies(log, "orders") == [(1, b"x")]
 
 
 # -- bad input -----------------------------------------------------------------------------------

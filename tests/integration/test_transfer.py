@@ -6,6 +6,7 @@ expired messages relinked past, and every kind of bad input refused by closing o
 
 from __future__ import annotations
 
+import errno
 import shutil
 import socket
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import MemoryDecisionLog, ProgrammingError, TransactionManager
+from coordinator.errors import LogWriteError
 from messaging.auth import SharedSecret, client_handshake
 from messaging.connection import Connection, Listener, connect
 from messaging.frames import (
@@ -33,6 +35,7 @@ from messaging.transfer import TRANSFER_ROLE, LogTransfer, TransferReceiver
 from resource_managers.cursor import Cursor
 from resource_managers.message_log import MessageLog, MessageLogResource
 from resource_managers.sequencing import DoublingBackoff, Verdict
+from tests.support.faulty_ops import FaultyOps
 
 SECRET = SharedSecret(b"transfer test secret, 32 bytes!!")
 
@@ -109,6 +112,49 @@ def test_messages_arrive_once_in_order_and_the_log_compacts(
     assert xfer.stats["acknowledged"] == 300
     assert cursor.filter_state()["streams"][f"{mlog.identity}|d0"]["last"] == 100  # its own
     assert cursor.ack_for("d0", mlog.identity).seq == 100 and cursor.ack_for("d0").seq == 0
+
+
+def test_a_log_that_refuses_writes_keeps_its_transfer_alive_and_its_messages(
+    tmp_path: Path, cursor: Cursor, listener: Listener
+) -> None:
+    """A failed write poisons the log: the cursor's acknowledgment cannot be recorded. The
+    transfer says so and backs off instead of dying; the message reaches the cursor once and
+    stays in the log (it is acknowledged after a restart)."""
+    ops = FaultyOps()
+    with MessageLog(tmp_path / "log", file_ops=ops, lazy_delay=60.0) as mlog:
+        produce(mlog, [[("orders", b"m1")]])
+        mlog.rollback("an-unprepared-gid")  # a lazy record, applied in memory
+        ops.write_errno = errno.ENOSPC
+        with pytest.raises(LogWriteError):
+            mlog._journal.flush()
+        assert mlog.stats().refusing_writes
+        with LogTransfer(mlog, dialer(listener.address), resend=fast()) as xfer:
+            wait(lambda: xfer.stats["log_errors"] >= 1)
+            time.sleep(0.5)
+            assert all(thread.is_alive() for thread in xfer._threads)
+            assert xfer.stats["connections"] <= 3  # backing off, not reconnecting at once
+        assert bodies(cursor, "orders") == [b"m1"] and mlog.stats().pending == 1
+
+
+def test_a_cursor_that_refuses_writes_is_not_stormed_with_reconnections(
+    tmp_path: Path, mlog: MessageLog
+) -> None:
+    """The cursor's journal is poisoned: it answers every batch with an error and closes. The
+    transfer backs off between attempts (each would meet the same refusal)."""
+    ops = FaultyOps()
+    with Cursor(tmp_path / "refusing", file_ops=ops, lazy_delay=60.0) as refusing:
+        ops.write_errno = errno.ENOSPC
+        refusing.rollback("an-unprepared-gid")  # a lazy record, applied in memory
+        with pytest.raises(LogWriteError):
+            refusing._journal.flush()
+        handlers = {TRANSFER_ROLE: TransferReceiver(refusing)}
+        with Listener(("127.0.0.1", 0), SECRET, "cursor", handlers) as lst:
+            produce(mlog, [[("orders", b"m1")]])
+            with LogTransfer(mlog, dialer(lst.address), resend=fast()) as xfer:
+                wait(lambda: xfer.stats["closed_by_cursor"] >= 2)
+                time.sleep(1.0)
+                assert xfer.stats["connections"] <= 6  # without the back-off: hundreds
+        assert mlog.stats().pending == 1
 
 
 def test_the_log_resends_until_the_cursor_comes_back(tmp_path: Path, mlog: MessageLog) -> None:
