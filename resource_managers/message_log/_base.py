@@ -139,9 +139,15 @@ class LogBase:
                 raise self._located(exc) from exc
             with self._lock:
                 for record in records:
-                    if record["k"] in ("C", "R"):
+                    kind = record["k"]
+                    if kind in ("C", "R"):
                         self._hold_locked(self._state.prepared.get(record["g"], []), -1)
+                    held = len(self._state.prepared.get(record["g"], ())) if kind == "P" else 0
                     self._state.apply(record)
+                    if kind == "P":  # held from the moment they are prepared, under this hold
+                        # of the lock: a rollback between here and the prepare's return
+                        # releases exactly what was held (a tombstone ignores the P: nothing)
+                        self._hold_locked(self._state.prepared.get(record["g"], [])[held:], +1)
         finally:
             self._gate.exit_shared()
         self._compaction.maybe()

@@ -89,7 +89,7 @@ class BranchOps(LogBase):
                 raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")
             if volatile:
                 self._volatile_prepared[gid] = volatile
-            self._hold_locked(messages, +1)
+                self._hold_locked(volatile, +1)  # the durable ones since their P applied
 
     def _judge(self, messages: list[Message]) -> None:
         """Every message of a record passes `check_message` before the record is written, so a

@@ -506,6 +506,30 @@ def test_a_lazy_commit_that_failed_to_write_is_never_reported_committed(logdir: 
         assert bodies(log, "orders") == [(1, b"x")]
 
 
+def test_a_rollback_between_a_prepares_write_and_its_return_holds_nothing_back(
+    logdir: Path,
+) -> None:
+    """A rollback lands after the branch's ``P`` is applied and before the prepare returns (it
+    then refuses): the messages held against their destination's limit are released exactly
+    once, so the limit neither drifts below zero nor admits more than it should."""
+    with MessageLog(logdir, max_destination_messages=2) as log:
+        gid = Xid.branch_of("node-1:held-1", "mlog").to_gid()
+        append = log._append
+
+        def then_rollback(records: list[dict[str, Any]], force: bool) -> None:
+            append(records, force)
+            if records[0]["k"] == "P":
+                log.rollback(gid)
+
+        log._append = then_rollback  # type: ignore[method-assign,assignment]
+        with pytest.raises(BranchRolledBack):
+            log.prepare(gid, [Message("m1", "orders", b"x")])
+        log._append = append  # type: ignore[method-assign]
+        log.check_room("orders", 2)
+        with pytest.raises(DestinationFullError):
+            log.check_room("orders", 3)
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
