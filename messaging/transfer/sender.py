@@ -213,15 +213,18 @@ class LogTransfer:
                 self.stats["silent_peer"] += 1
                 log.warning("%s: the cursor is silent; reconnecting", self.name)
                 self._drop()
-            except _ClosedByCursor as exc:
+            except _ClosedByCursor as exc:  # said once a run, then quietly until progress
                 self.stats["closed_by_cursor"] += 1
-                log.warning("%s: %s", self.name, exc)
+                log.log(logging.INFO if refused else logging.WARNING, "%s: %s", self.name, exc)
                 self._drop()
                 refused += 1
                 self._closing.wait(self.reconnect.compute(refused))
             except LogError as exc:  # an acknowledgment or a drop not written: the log refuses
                 self.stats["log_errors"] += 1
-                log.error("%s: the message log refused a write: %s", self.name, exc.message)
+                log.log(
+                    logging.INFO if refused else logging.ERROR,
+                    "%s: the message log refused a write: %s", self.name, exc.message,
+                )  # fmt: skip
                 self._drop()
                 refused += 1
                 self._closing.wait(self.reconnect.compute(refused))

@@ -358,8 +358,8 @@ class BranchOps(CursorBase):
         self._lazy.settle()
 
     def flush_commits(self) -> None:
-        """Make every lazy commit record durable now and run its callback."""
-        self._lazy.flush()
+        """Every lazy commit record durable now, its callback run; raises if not (`_settled`)."""
+        self._settled()
 
     def rollback(self, gid: str, max_deliveries: int | None = None) -> list[str]:
         """Make the branch's messages available again (to their dead-letter queue those delivered

@@ -228,8 +228,9 @@ class BranchOps(LogBase):
         return len(self._settling)
 
     def flush_commits(self) -> None:
-        """Make every lazy commit record durable now and run its callback."""
-        self._lazy.flush()
+        """Make every lazy commit record durable now and run its callback; raises if one is not
+        (`_settled`)."""
+        self._settled()
 
     def _stream_of(self, message: Message) -> str:
         """The stream ``message`` is numbered in: its key's partition of its destination."""
