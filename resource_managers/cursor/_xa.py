@@ -304,17 +304,17 @@ class BranchOps(CursorBase):
             raise BranchRolledBack(f"{gid} was rolled back (tombstone); it cannot prepare")
 
     def commit(self, gid: str) -> None:
-        """Delete the branch's messages (forced ``C``); nothing if it holds none. A commit whose
-        lazy record is not durable yet (recovery's) returns once it is."""
-        if gid in self._settling:
+        """Delete the branch's messages (forced ``C``), if any. One committed lazily and not yet
+        durable (read with them under one hold of the lock) returns once it is (recovery's)."""
+        with self._lock:
+            settling, ids = gid in self._settling, self._state.branch_ids(gid)
+        if settling:
             self._settled()
             return
         staged = self._staged.get(gid)
         if staged is not None:  # staged for a carried commit whose answer was lost: recovery's
             self.restore_carried(gid, staged.record)
             return
-        with self._lock:
-            ids = self._state.branch_ids(gid)
         if ids:
             self._append({"k": "C", "g": gid, "i": ids}, force=True)
             self._compaction.maybe()

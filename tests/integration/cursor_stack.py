@@ -163,8 +163,8 @@ class Stack:
 @contextmanager
 def running_stack(root: Path, tls: TlsConfig | None = None) -> Iterator[Stack]:
     stack = Stack(root, tls)
-    stack.start()
     try:
+        stack.start()  # a server that started before another failed to is stopped too
         yield stack
     finally:
         stack.stop()

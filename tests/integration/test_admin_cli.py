@@ -32,8 +32,8 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsConfig:
 @pytest.fixture
 def stack(tmp_path: Path, tls: TlsConfig) -> Iterator[Stack]:
     running = Stack(tmp_path, tls)
-    running.start()
     try:
+        running.start()  # a server that started before another failed to is stopped too
         yield running
     finally:
         running.stop()

@@ -60,8 +60,8 @@ class _Stack(Stack):
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[_Stack]:
     s = _Stack(tmp_path, None)
-    s.start()
     try:
+        s.start()  # a server that started before another failed to is stopped too
         yield s
     finally:
         for proc in s.procs[::-1]:

@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -353,17 +354,23 @@ def test_an_arrival_that_failed_to_write_stops_the_cursor_until_reopened(curdir:
         assert available(c) == [] and not c.stats().refusing_writes
 
 
+def prepared_on_a_faulty_disk(curdir: Path, gtrid: str) -> tuple[Cursor, FaultyOps, str]:
+    """A cursor whose writes fail on demand, holding one prepared branch of ``gtrid``."""
+    ops = FaultyOps()
+    c = Cursor(curdir, file_ops=ops, lazy_delay=60.0)
+    feed(c, b"a")
+    gid = Xid.branch_of(gtrid, "cursor").to_gid()
+    assert c.take(gid, "orders") is not None
+    c.prepare(gid)
+    return c, ops, gid
+
+
 def test_a_lazy_commit_that_failed_to_write_is_never_reported_committed(curdir: Path) -> None:
     """The lazy ``C`` of a prepared branch fails to write: the branch is still prepared on disk.
     Recovery's commit (and a repeated phase two) must fail rather than return, or the
     coordinator would forget a decision the cursor does not hold; the reopened cursor has the
     branch prepared, and its commit then holds."""
-    ops = FaultyOps()
-    c = Cursor(curdir, file_ops=ops, lazy_delay=60.0)
-    feed(c, b"a")
-    gid = Xid.branch_of("node-1:lazy-1", "cursor").to_gid()
-    assert c.take(gid, "orders") is not None
-    c.prepare(gid)
+    c, ops, gid = prepared_on_a_faulty_disk(curdir, "node-1:lazy-1")
     ops.write_errno = errno.ENOSPC
     durable: list[int] = []
     c.commit_lazily(gid, lambda: durable.append(1))
@@ -377,6 +384,46 @@ def test_a_lazy_commit_that_failed_to_write_is_never_reported_committed(curdir: 
         assert c.prepared_gids() == [gid]
         c.commit(gid)
         assert c.prepared_gids() == [] and available(c) == []
+
+
+def test_a_commit_racing_a_lazy_commit_of_the_branch_returns_only_once_durable(
+    curdir: Path,
+) -> None:
+    """Recovery's commit and a lazy phase-two commit of one branch at once: whichever way they
+    interleave, the commit returns only once a ``C`` is on disk. Here the lazy ``C`` lands
+    after the commit read the branch; its own forced ``C`` then carries it, and fails with it
+    (no space), so the commit raises and the reopened cursor has the branch prepared."""
+    c, ops, gid = prepared_on_a_faulty_disk(curdir, "node-1:race-1")
+    read, go = threading.Event(), threading.Event()
+
+    class Blocking(dict[str, Any]):
+        def get(self, key: str, default: Any = None) -> Any:  # after commit read the branch
+            read.set()
+            go.wait(10)
+            return super().get(key, default)
+
+    staged, c._staged = c._staged, Blocking(c._staged)
+    outcome: list[str] = []
+
+    def recovery_commit() -> None:
+        try:
+            c.commit(gid)
+            outcome.append("returned")
+        except LogWriteError:
+            outcome.append("refused")
+
+    thread = threading.Thread(target=recovery_commit)
+    thread.start()
+    assert read.wait(10)
+    c._staged = staged
+    ops.write_errno = errno.ENOSPC  # the lazy C's write, whoever makes it
+    c.commit_lazily(gid, lambda: outcome.append("durable"))
+    go.set()
+    thread.join(10)
+    assert outcome == ["refused"]
+    c.close()
+    with Cursor(curdir) as c:
+        assert c.prepared_gids() == [gid]
 
 
 def test_past_max_deliveries_the_message_moves_to_the_dead_letter_queue(

@@ -50,8 +50,8 @@ class Servers(Stack):
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[Servers]:
     running = Servers(tmp_path, None)
-    running.start()
     try:
+        running.start()  # a server that started before another failed to is stopped too
         yield running
     finally:
         running.stop()
