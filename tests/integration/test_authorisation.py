@@ -35,8 +35,7 @@ from messaging.connection import connect
 from messaging.frames import ErrorFrame
 from messaging.remote import RemoteCursor, RemoteMessageLog, RemoteUnavailable
 from messaging.server import CursorServer, LogServer
-from tests.integration.test_serve import listening
-from tests.support.msg_cluster import free_port
+from tests.integration.test_serve import port_of
 from tests.support.tls import issue, make_ca
 
 ORDERS, BILLING, LOG = (
@@ -289,16 +288,18 @@ def sends(address: tuple[str, int]) -> bool:
 def test_revocation_by_sighup_and_by_a_changed_file_in_twopc_serve(tmp_path: Path) -> None:
     clients = tmp_path / "clients.toml"
     clients.write_text(CLIENTS)
-    cursor_port, log_port = free_port(), free_port()
-    cursor = serve("cursor", "--dir", str(tmp_path / "c"), "--listen", f"127.0.0.1:{cursor_port}",
+    cursor = serve("cursor", "--dir", str(tmp_path / "c"), "--listen", "127.0.0.1:0",
                    "--clients", str(clients))  # fmt: skip
-    log = serve("log", "--dir", str(tmp_path / "l"), "--listen", f"127.0.0.1:{log_port}",
+    try:
+        cursor_port = port_of(cursor)
+    except BaseException:
+        stop(cursor)
+        raise
+    log = serve("log", "--dir", str(tmp_path / "l"), "--listen", "127.0.0.1:0",
                 "--cursor", f"127.0.0.1:{cursor_port}", "--id", "log-1",
                 "--clients", str(clients), secret=LOG)  # fmt: skip
-    address = ("127.0.0.1", log_port)
     try:
-        listening(cursor)
-        listening(log)
+        address = ("127.0.0.1", port_of(log))
         assert sends(address)
         clients.write_text("[clients.orders-app]\nsecret = 7\n")  # bad: the old one stays
         log.send_signal(signal.SIGHUP)

@@ -20,7 +20,6 @@ from messaging.auth import SharedSecret, TlsConfig
 from messaging.remote import RemoteCursor, RemoteMessageLog
 from resource_managers.cursor import Cursor
 from resource_managers.message_log import MessageLog
-from tests.support.msg_cluster import free_port
 from tests.support.tls import make_certificate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,23 +55,28 @@ def listening(proc: subprocess.Popen[str]) -> str:
     return line.split()[-1]
 
 
+def port_of(proc: subprocess.Popen[str]) -> int:
+    """The port a server started with ``--listen HOST:0`` says it listens on: the kernel's
+    choice, so no test picks a free port that a parallel one takes before the server binds."""
+    return int(listening(proc).rsplit(":", 1)[1])
+
+
 @pytest.fixture
 def servers(tmp_path: Path, tls: TlsConfig) -> Iterator[tuple[int, int, Path]]:
-    cursor_port, log_port = free_port(), free_port()
     flags = ["--tls-cert", str(tls.certfile), "--tls-key", str(tls.keyfile),
              "--tls-ca", str(tls.cafile)]  # fmt: skip
-    cursor = serve("cursor", "--dir", str(tmp_path / "cursor"),
-                   "--listen", f"127.0.0.1:{cursor_port}", *flags)  # fmt: skip
-    log = serve("log", "--dir", str(tmp_path / "log"), "--listen", f"127.0.0.1:{log_port}",
-                "--cursor", f"127.0.0.1:{cursor_port}", *flags)  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
     try:
-        assert listening(cursor).endswith(f":{cursor_port}")
-        assert listening(log).endswith(f":{log_port}")
-        yield log_port, cursor_port, tmp_path
+        procs.append(serve("cursor", "--dir", str(tmp_path / "cursor"),
+                           "--listen", "127.0.0.1:0", *flags))  # fmt: skip
+        cursor_port = port_of(procs[-1])
+        procs.append(serve("log", "--dir", str(tmp_path / "log"), "--listen", "127.0.0.1:0",
+                           "--cursor", f"127.0.0.1:{cursor_port}", *flags))  # fmt: skip
+        yield port_of(procs[-1]), cursor_port, tmp_path
     finally:
-        for proc in (log, cursor):
+        for proc in procs[::-1]:
             proc.send_signal(signal.SIGTERM)
-        for proc in (log, cursor):
+        for proc in procs[::-1]:
             out, _ = proc.communicate(timeout=20)
             assert proc.returncode == 0, out
             assert "stopped" in out
