@@ -81,9 +81,10 @@ class LazyWatch:
                     log.exception("%s: a durability callback failed (ignored)", self._name)
 
     def flush(self) -> None:
-        """Make every queued record durable now, then settle."""
-        if self._entries:
-            self._journal.flush()
+        """Make every queued record durable now, then settle. The journal's flush whether or not
+        anything is watched: a record may be queued and not yet handed to `watch`, and a journal
+        that failed a write raises here though its failed entry has left the watch."""
+        self._journal.flush()
         self.settle()
 
     def close(self) -> None:

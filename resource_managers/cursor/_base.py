@@ -119,11 +119,13 @@ class CursorBase:
     def _settled(self) -> None:
         """Return once every record queued so far is durable, for a caller that found a gid
         settling (its lazy commit record queued by another caller, perhaps not yet handed to
-        the `LazyWatch`, so the journal's own flush). Raises if one is not: a failed write
+        the `LazyWatch`, whose flush is the journal's). Raises if one is not: a failed write
         poisons the journal (``applied_when_queued``), and the branch is then prepared on disk;
         saying "committed" would let the coordinator forget a commit the disk does not hold."""
-        self._flush_journal()
-        self._lazy.settle()
+        try:
+            self._lazy.flush()
+        except LogWriteError as exc:
+            raise self._located(exc) from exc
 
     def _located(self, exc: LogWriteError) -> LogWriteError:
         return LogWriteError(f"cursor {self.directory}: {exc.message}", durable=exc.durable)

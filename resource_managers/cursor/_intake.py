@@ -203,15 +203,11 @@ class Intake(CursorBase):
     def _filter_durable(self) -> None:
         """Before the filter's state is reported as an acknowledgment: make every lazily
         written ``M`` record durable (`deliver_lazily`), or the log could discard a message
-        that a crash then takes from the cursor. The journal's own flush, not the lazy watch's:
-        `deliver_lazily` queues its records under the lock but hands their ticket to the watch
-        only after, and a watch with nothing watched yet flushes nothing."""
+        that a crash then takes from the cursor. One that failed to write poisoned the journal,
+        whose flush then raises (`_settled`)."""
         ticket = self._last_accept
-        if ticket is not None and ticket.error is not None:  # applied, never written
-            raise self._located(ticket.error)
-        if ticket is not None and not ticket.done:
-            self._flush_journal()
-            self._lazy.settle()
+        if ticket is not None and (not ticket.done or ticket.error is not None):
+            self._settled()
 
     def _accept_record(
         self, message: Message, decision: Decision, ahead: Counter[str] | None = None

@@ -108,15 +108,14 @@ class LogBase:
     def _settled(self) -> None:
         """Return once every record queued so far is durable, for a caller that found a gid
         settling (its lazy commit record queued by another caller, perhaps not yet handed to
-        the `LazyWatch`, so the journal's own flush and not the watch's). Raises if one is not:
+        the `LazyWatch`, whose flush is the journal's). Raises if one is not:
         a failed write poisons the journal (``applied_when_queued``), and the branch is then
         prepared on disk; saying "committed" would let the coordinator forget a commit the disk
         does not hold."""
         try:
-            self._journal.flush()
+            self._lazy.flush()
         except LogWriteError as exc:
             raise self._located(exc) from exc
-        self._lazy.settle()
 
     def _located(self, exc: LogWriteError) -> LogWriteError:
         """``exc`` naming this log's directory (a journal's errors name only its file)."""
