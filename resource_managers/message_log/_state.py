@@ -40,24 +40,43 @@ class Stream:
         self.add_many([(seq, message)])
 
     def add_many(self, numbered: Iterable[tuple[int, Message]]) -> None:
-        """Messages with their numbers, kept in ascending order: appended, and sorted once at
-        the end if one came below the highest held. Concurrent commits apply their records in
-        an order other than their numbers' (each takes a block of numbers, then writes); sorting
-        per message made a quarter-million-message commit behind another quadratic (hours)."""
+        """Messages with their numbers, kept in ascending order: appended, and merged once at
+        the end for those that came below the highest held. Concurrent commits apply their
+        records in an order other than their numbers' (each takes a block of numbers, then
+        writes); sorting per message made a quarter-million-message commit behind another
+        quadratic (hours), and sorting the whole stream once per such commit made a write of
+        many branches to one destination with no consumer quadratic in the messages held
+        (256 branches into a million held: a third of the log's time)."""
         messages = self.messages
         highest = next(reversed(messages)) if messages else 0
-        unordered = False
+        late: dict[int, Message] = {}
         for seq, message in numbered:
             if seq > self.acked and seq not in messages:
                 if seq < highest:
-                    unordered = True
+                    late.setdefault(seq, message)
                 else:
                     highest = seq
-                messages[seq] = message
+                    messages[seq] = message
             if seq >= self.next_seq:
                 self.next_seq = seq + 1
-        if unordered:
-            self.messages = dict(sorted(messages.items()))
+        if late:
+            self._merge(late)
+
+    def _merge(self, late: dict[int, Message]) -> None:
+        """Put ``late`` (numbers not held, each below the highest held) in their places: only
+        the messages held above the lowest of them move, the tail a concurrent commit applied
+        first, not the whole stream."""
+        messages = self.messages
+        low = min(late)
+        above: list[int] = []
+        for seq in reversed(messages):
+            if seq < low:
+                break
+            above.append(seq)
+        for seq in above:
+            late[seq] = messages.pop(seq)
+        for seq in sorted(late):
+            messages[seq] = late[seq]
 
     def ack(self, upto: int) -> int:
         """Drop messages up to ``upto``; how many left."""
