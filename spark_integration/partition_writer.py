@@ -364,10 +364,12 @@ def _write_redis(target: RedisTarget, branch: Any, chunk: list[Mapping[str, Any]
 
 
 def _write_mlog(target: MessageLogTarget, branch: Any, chunk: list[Mapping[str, Any]]) -> int:
-    for row in chunk:
-        if target.value is not None:
-            body = target.value.render(row).encode()
-        else:
-            body = json.dumps(dict(row), sort_keys=True, default=str).encode()
-        branch.send(target.destination, body)
+    """One batch send of the chunk's bodies (``send_many``: the destination and options checked
+    once, not per row, which was a third of the executor's time per message)."""
+    if target.value is not None:
+        render = target.value.render
+        bodies = [render(row).encode() for row in chunk]
+    else:
+        bodies = [json.dumps(dict(row), sort_keys=True, default=str).encode() for row in chunk]
+    branch.send_many(target.destination, bodies)
     return len(chunk)

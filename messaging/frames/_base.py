@@ -20,8 +20,10 @@ PROTOCOL_VERSION = 1
 ORIGIN_VERSION = 2
 #: version 3 adds MSGS: a run of messages in one frame, in a fixed binary layout
 BATCH_VERSION = 3
+#: version 4: a remote producer's messages travel packed (one bytes value in a fixed layout)
+PACKED_VERSION = 4
 HANDSHAKE_VERSIONS = frozenset({PROTOCOL_VERSION})
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION, ORIGIN_VERSION, BATCH_VERSION})
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION, ORIGIN_VERSION, BATCH_VERSION, PACKED_VERSION})
 HEADER = struct.Struct(">4sBBHII")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024

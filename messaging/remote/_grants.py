@@ -1,5 +1,6 @@
-"""What each remote request needs of a client's grants (`messaging.authz`), read from the raw
-request before the service touches anything, and what a listing may show it.
+"""What each remote request needs of a client's grants (`messaging.authz`), read from the request
+before the service touches anything (a producer's messages decoded first, once), and what a
+listing may show it.
 
 - producer ``XA_PREPARE``, one-phase ``XA_COMMIT``: ``produce`` on every message's destination
   and on its ``twopc-admin-queue`` (where its negative acknowledgment would go);
@@ -16,18 +17,19 @@ Listings are filtered instead of refused: ``subscriptions`` shows the subscripti
 the client may consume or administer, ``dead_letters`` (of every queue) the dead letters of
 queues it may administer, and ``XA_RECOVER`` the branches of its nodes.
 
-A value of the wrong shape is skipped here: the service's own checks refuse it as a bad request.
+A value of the wrong shape is skipped here: the service's own checks refuse it as a bad request
+(a producer's messages are decoded, and refused if malformed, before this runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from messaging.authz import Authoriser
 from messaging.clients import Client
 from messaging.frames import FrameType, Value, XaRequest
 from resource_managers.cursor import DLQ_SUFFIX
-from resource_managers.message_log import ADMIN_QUEUE_HEADER
+from resource_managers.message_log import ADMIN_QUEUE_HEADER, Message
 
 from .protocol import STATS_OP
 
@@ -39,18 +41,18 @@ _DLQ_OPS = frozenset({"replay_dead_letters", "purge_dead_letters"})
 _LISTINGS = frozenset({"subscriptions", "queues"})
 
 
-def authorise_producer(authoriser: Authoriser, client: Client, request: XaRequest) -> None:
+def authorise_producer(
+    authoriser: Authoriser, client: Client, request: XaRequest, messages: Sequence[Message]
+) -> None:
+    """``messages``: the request's, decoded and checked by the service (from a list of maps or
+    a packed run alike)."""
     if request.verb == FrameType.XA_RECOVER and request.args.get("op") == STATS_OP:
         _authorise_stats(authoriser, client)
-    messages = request.args.get("messages")
-    for value in messages if isinstance(messages, list) else ():
-        if not isinstance(value, Mapping):
-            continue
-        headers = value.get("headers")
-        admin_queue = headers.get(ADMIN_QUEUE_HEADER) if isinstance(headers, Mapping) else None
-        for name in (value.get("destination"), admin_queue):
-            if isinstance(name, str):
-                authoriser.check_produce(client, name)
+    for message in messages:
+        authoriser.check_produce(client, message.destination)
+        admin_queue = message.headers.get(ADMIN_QUEUE_HEADER)
+        if admin_queue is not None:
+            authoriser.check_produce(client, admin_queue)
 
 
 def authorise_consumer(authoriser: Authoriser, client: Client, request: XaRequest) -> None:

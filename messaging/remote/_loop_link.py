@@ -36,6 +36,9 @@ T = TypeVar("T")
 class Link(Protocol):
     """What the remote resources use of a connection: a `Connection`, or a `LoopLink`."""
 
+    #: the protocol version the handshake chose
+    version: int
+
     @property
     def closed(self) -> bool: ...
 

@@ -42,6 +42,8 @@ from .protocol import RemoteUnavailable, error_from_reply
 
 T = TypeVar("T")
 _R = TypeVar("_R", bound="_RemoteResource[Any]")
+#: a request's arguments besides ``rm``, or what makes them for a connection (its version)
+Args = dict[str, Value] | Callable[[Link], dict[str, Value]]
 
 
 class _Unsent(Exception):
@@ -116,7 +118,7 @@ class _RemoteResource(Branches[B]):
         conn: Link,
         verb: FrameType,
         xid: Xid | None,
-        args: dict[str, Value],
+        args: Args,
         decode: Callable[[Result], T],
         *,
         wait: float = 0.0,
@@ -126,8 +128,11 @@ class _RemoteResource(Branches[B]):
         request_id = self._send(conn, verb, xid, args)
         return self._answer(conn, request_id, verb.name, wait + self.timeout, decode)
 
-    def _send(self, conn: Link, verb: FrameType, xid: Xid | None, args: dict[str, Value]) -> int:
-        """Send one request; its id. `_Unsent` (the connection closed) if it did not go."""
+    def _send(self, conn: Link, verb: FrameType, xid: Xid | None, args: Args) -> int:
+        """Send one request; its id. `_Unsent` (the connection closed) if it did not go. Args
+        given as a function are made for ``conn`` (by its protocol version)."""
+        if callable(args):
+            args = args(conn)
         request = XaRequest(verb, next(self._ids), xid, {"rm": self._name, **args})
         try:
             conn.send(request)
@@ -166,7 +171,7 @@ class _RemoteResource(Branches[B]):
         self,
         verb: FrameType,
         xid: Xid | None,
-        args: dict[str, Value],
+        args: Args,
         decode: Callable[[Result], T],
         *,
         idempotent: bool,

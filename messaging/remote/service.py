@@ -86,7 +86,7 @@ from coordinator.xid import Xid, is_sub_branch_of
 from messaging.authz import Authoriser
 from messaging.clients import Client
 from messaging.connection import INTERNAL_ERRORS, Connection
-from messaging.frames import FrameType, Ping, Pong, Value, XaReply, XaRequest
+from messaging.frames import PACKED_VERSION, FrameType, Ping, Pong, Value, XaReply, XaRequest
 from resource_managers.cursor import (
     DEFAULT_MAX_DELIVERIES,
     ConsumerBranch,
@@ -102,6 +102,7 @@ from resource_managers.message_log import (
 )
 
 from ._grants import authorise_consumer, authorise_producer, filter_admin_result
+from ._packed import unpack
 from .admin import CursorAdmin
 from .protocol import (
     ADMIN_ARGS,
@@ -135,6 +136,8 @@ MAX_RESOURCE_NAMES = 256
 
 R = TypeVar("R", MessageLogResource, CursorResource)
 Result = dict[str, Value]
+#: the producer verbs that carry messages (`ProducerService._decode`)
+_MESSAGE_VERBS = frozenset({FrameType.XA_START, FrameType.XA_PREPARE, FrameType.XA_COMMIT})
 
 
 class Open(dict[Xid, Any]):
@@ -147,6 +150,8 @@ class Open(dict[Xid, Any]):
         self.conn = conn
         #: the clients-file entry the current request is judged by (None: no clients file)
         self.client: Client | None = None
+        #: the current producer request's messages, decoded and checked once (`_decode`)
+        self.messages: list[Message] = []
 
 
 class _Service(Generic[R]):
@@ -210,30 +215,43 @@ class _Service(Generic[R]):
             elif request.xid.bqual != rm and not is_sub_branch_of(request.xid.bqual, rm):
                 raise BadRequestError(f"rm {rm!r} is not the xid's branch {request.xid.bqual!r}")
             check_arg_keys(request.verb, request.args, self._arg_keys(request))
+            self._decode(request, opened)
             if self.authoriser is not None:
-                opened.client = self._authorise(self.authoriser, request, opened.conn.peer.id)
+                opened.client = self._authorise(self.authoriser, request, opened)
             result = handler(self.resource(rm), request.xid, request.args, opened)
         except Exception as exc:
             if not isinstance(exc, TransactionError):
                 self.stats[INTERNAL_ERRORS] += 1
                 log.exception("%s request %s failed", self.role, request.verb.name)
+            self._refused(request, opened)
             return error_reply(request.request_id, exc)
+        finally:
+            opened.messages = []  # a request's own: not kept past it
         return XaReply(request.request_id, "ok", result)
+
+    def _refused(self, request: XaRequest, opened: Open) -> None:
+        """A request was refused: undo what the refusal leaves half done on this connection."""
 
     def _arg_keys(self, request: XaRequest) -> frozenset[str]:
         """The argument keys ``request``'s verb takes besides ``rm``."""
         raise NotImplementedError
 
-    def _authorise(self, authoriser: Authoriser, request: XaRequest, name: str) -> Client:
+    def _decode(self, request: XaRequest, opened: Open) -> None:
+        """Decode what the role's verbs and its grants both read, once (the producer's
+        messages), before either looks at it."""
+
+    def _authorise(self, authoriser: Authoriser, request: XaRequest, opened: Open) -> Client:
         """Refuse (`UnauthorisedError`) what the client's grants do not cover, before anything
         is touched: a branch of a node it does not act for, then what the verb names."""
-        client = authoriser.client(name)
+        client = authoriser.client(opened.conn.peer.id)
         if request.xid is not None:
             authoriser.check_node(client, request.xid)
-        self._authorise_args(authoriser, client, request)
+        self._authorise_args(authoriser, client, request, opened)
         return client
 
-    def _authorise_args(self, authoriser: Authoriser, client: Client, request: XaRequest) -> None:
+    def _authorise_args(
+        self, authoriser: Authoriser, client: Client, request: XaRequest, opened: Open
+    ) -> None:
         """The role's own checks of a request's arguments (destinations)."""
 
     def _reply(self, conn: Connection, request: XaRequest, reply: XaReply, opened: Open) -> None:
@@ -303,8 +321,37 @@ class ProducerService(_Service[MessageLogResource]):
         super().__init__(authoriser)
         self.mlog = mlog
 
-    def _authorise_args(self, authoriser: Authoriser, client: Client, request: XaRequest) -> None:
-        authorise_producer(authoriser, client, request)
+    def _authorise_args(
+        self, authoriser: Authoriser, client: Client, request: XaRequest, opened: Open
+    ) -> None:
+        authorise_producer(authoriser, client, request, opened.messages)
+
+    def _refused(self, request: XaRequest, opened: Open) -> None:
+        """A refused stage, prepare or one-phase commit (a bad or unauthorised message among
+        them, a broken packed run, no room) rolls back what this connection staged of its
+        branch: the whole branch goes, never the refused part alone, so a client that tried
+        again could not prepare the shares before it without the rest."""
+        xid = request.xid
+        if request.verb in _MESSAGE_VERBS and xid is not None and xid in opened:
+            self._drop(xid, opened)
+
+    def _decode(self, request: XaRequest, opened: Open) -> None:
+        """The request's messages, checked as `ProducerBranch.send` checks them (but for the
+        size limit and the room, `_stage`'s): a list of maps, or from protocol version
+        `PACKED_VERSION` a packed run (`_packed`)."""
+        opened.messages = []
+        if "messages" not in request.args or request.verb not in _MESSAGE_VERBS:
+            return
+        value = request.args["messages"]
+        if isinstance(value, bytes):
+            if opened.conn.version < PACKED_VERSION:
+                raise BadRequestError(
+                    f"packed messages need protocol version {PACKED_VERSION}; this connection "
+                    f"speaks {opened.conn.version}"
+                )
+            opened.messages = unpack(value)
+        else:
+            opened.messages = [message_from_value(v) for v in arg_list(request.args, "messages")]
 
     def _make(self, name: str) -> MessageLogResource:
         return MessageLogResource(self.mlog, name)
@@ -343,7 +390,9 @@ class ProducerService(_Service[MessageLogResource]):
         """Start the branch (or take the one this connection staged a share of) and stage the
         request's messages, checked as `ProducerBranch.send` checks them (the size limit, the
         destination, its room); roll the whole branch back on any refusal."""
-        messages = [message_from_value(v) for v in arg_list(args, "messages")]
+        if "messages" not in args:
+            arg_list(args, "messages")  # refuses the request, as for any missing list
+        messages = opened.messages
         branch = opened.get(xid)
         if branch is None:
             gid = xid.to_gid()
@@ -352,17 +401,22 @@ class ProducerService(_Service[MessageLogResource]):
             branch = r.start(xid)
             opened[xid] = branch
         try:
-            for message in messages:
-                self._stage(branch, message)
+            self._stage(branch, messages)
         except BaseException:
             self._drop(xid, opened)
             raise
         return branch
 
-    def _stage(self, branch: ProducerBranch, message: Message) -> None:
-        check_message(message, max_bytes=self.mlog.max_message_bytes)
-        self.mlog.check_room(message.destination, branch.staged[message.destination] + 1)
-        branch.add([message])
+    def _stage(self, branch: ProducerBranch, messages: list[Message]) -> None:
+        """Stage the request's messages, all or none: each within the size limit, and each
+        destination's room checked once for all it gets (as many one-message checks would
+        judge them, since a refusal drops the whole branch anyway)."""
+        limit = self.mlog.max_message_bytes
+        for message in messages:
+            check_message(message, max_bytes=limit)
+        for destination, count in Counter(m.destination for m in messages).items():
+            self.mlog.check_room(destination, branch.staged[destination] + count)
+        branch.add(messages)
 
     def _prepare(
         self, r: MessageLogResource, xid: Xid, args: Mapping[str, Value], opened: Open
@@ -413,7 +467,9 @@ class ConsumerService(_Service[CursorResource]):
         self.max_deliveries = max_deliveries
         self.admin = CursorAdmin(cursor)
 
-    def _authorise_args(self, authoriser: Authoriser, client: Client, request: XaRequest) -> None:
+    def _authorise_args(
+        self, authoriser: Authoriser, client: Client, request: XaRequest, opened: Open
+    ) -> None:
         authorise_consumer(authoriser, client, request)
 
     def _make(self, name: str) -> CursorResource:

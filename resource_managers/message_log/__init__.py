@@ -36,6 +36,7 @@ from ._records import (
     Message,
     split_by_size,
 )
+from ._staging import BranchDoomed, StagingBranch
 from ._validation import (
     InvalidMessageError,
     check_message,
@@ -43,7 +44,7 @@ from ._validation import (
     outgoing,
     validate_destination,
 )
-from .resource import BranchDoomed, MessageLogResource, ProducerBranch, StagingBranch
+from .resource import MessageLogResource, ProducerBranch
 
 __all__ = [
     "ADMIN_QUEUE_HEADER",

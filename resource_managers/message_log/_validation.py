@@ -55,6 +55,8 @@ def validate_destination(destination: object) -> str:
 
 
 def _validate_headers(headers: object) -> None:
+    if type(headers) is dict and not headers:  # most messages: nothing to walk or to reserve
+        return
     if not isinstance(headers, Mapping) or len(headers) > MAX_HEADERS:
         raise InvalidMessageError(f"headers must be a mapping of at most {MAX_HEADERS} entries")
     for key, value in headers.items():
@@ -246,3 +248,40 @@ def outgoing(
         )
         for destination in destinations
     ]
+
+
+def copies_with_bodies(
+    first: Message, bodies: Sequence[object], *, max_bytes: int
+) -> list[Message]:
+    """``first`` (a message `check_message` passed), then one message per body of ``bodies``
+    with everything else of ``first`` but a fresh id: a batch send to one destination. Only
+    what differs is checked again (the body's type and the size limit); the headers are each
+    message's own copy, as `new_message` makes them. `InvalidMessageError` for the first
+    refusal, so a batch stages all or nothing."""
+    checked = first.__dict__.get(_CHECKED_SIZE)
+    if checked is None:
+        raise ProgrammingError("copies_with_bodies needs a checked first message")
+    extra = checked - len(first.body)  # the headers' share of the size
+    out = [first]
+    dest, headers, persistent, expires = (
+        first.destination,
+        first.headers,
+        first.persistent,
+        first.expires_at,
+    )
+    for given in bodies:
+        body = given if type(given) is bytes else None
+        if body is None:  # as `new_message` takes a body: any bytes-like, kept as bytes
+            if not isinstance(given, bytes | bytearray | memoryview):
+                raise InvalidMessageError(f"body must be bytes, not {type(given).__name__}")
+            body = bytes(given)
+        size = len(body) + extra
+        if size > max_bytes:
+            raise InvalidMessageError(
+                f"message of {size} bytes (body and headers) exceeds the limit of "
+                f"{max_bytes}; nothing was staged"
+            )
+        message = Message(new_id(), dest, body, dict(headers), persistent, expires)
+        object.__setattr__(message, _CHECKED_SIZE, size)  # as `_check_fields` records it
+        out.append(message)
+    return out

@@ -23,16 +23,13 @@ Crash points: ``mlog.<name>.after_prepare`` (the ``P`` record is durable, the vo
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coordinator import (
-    IllegalStateError,
     InvalidXidError,
     Outcome,
     ProgrammingError,
-    TransactionRolledBack,
     Vote,
     Xid,
     tracing,
@@ -42,103 +39,14 @@ from coordinator.xid import branches_of
 from resource_managers import lazy_commit
 from resource_managers.bookkeeping import Branches
 
-from ._base import BranchRolledBack, DestinationFullError
+from ._base import BranchRolledBack
 from ._log import MessageLog
-from ._options import SendKwargs, SendOptions
 from ._records import Message, decode, to_message
-from ._validation import InvalidMessageError, outgoing
+from ._staging import BranchDoomed, StagingBranch
 
 #: a producer branch whose message bodies add up to more prepares instead of riding (see
 #: `MessageLogResource`)
 DEFAULT_CARRY_BYTES = 8 * 1024
-
-if TYPE_CHECKING:  # Unpack is in typing from Python 3.11
-    from typing_extensions import Unpack
-
-
-class BranchDoomed(TransactionRolledBack):
-    """A distribution-list send of this branch was refused: the whole transaction rolls back."""
-
-    code = "mlog-list-refused"
-    reason = "vote"
-
-
-class StagingBranch:
-    """What a producer branch does before prepare, local (`ProducerBranch`) or remote
-    (`messaging.remote.RemoteProducerBranch`): check and stage messages. Not thread-safe (one
-    transaction).
-
-    A send that is refused raises at once and stages nothing. A refused distribution-list send also
-    *dooms* the branch: MSMQ's documentation says a failure to send to any destination of the list
-    aborts the whole transaction, so prepare then votes no even if the application caught the
-    error."""
-
-    name: str
-
-    def __init__(self, xid: Xid) -> None:
-        self.xid = xid
-        self.messages: list[Message] = []
-        self.staged: Counter[str] = Counter()  # destination -> messages in ``messages``
-        self.closed = False
-        self.doomed: str | None = None
-
-    def _now_ms(self) -> int:
-        raise NotImplementedError
-
-    def _max_bytes(self) -> int:
-        raise NotImplementedError
-
-    def _check_room(self, destination: str, count: int) -> None:
-        """Raise `DestinationFullError` if ``count`` more messages would not fit (a remote log
-        checks at prepare instead)."""
-
-    def send(
-        self, destination: str, body: bytes, headers: dict[str, str] | None = None,
-        **options: Unpack[SendKwargs],
-    ) -> str:  # fmt: skip
-        """Stage a message; return its id. ``options``: `SendOptions` (priority, ttl, key, …).
-        Refusals stage nothing: `InvalidMessageError` (bad destination, headers, body, option,
-        or larger than the log's ``max_message_bytes``), `DestinationFullError` (a
-        `TransientError`: the destination is at its limit)."""
-        return self._stage([destination], body, headers, SendOptions.of(options))[0]
-
-    def send_to_list(
-        self, destinations: list[str], body: bytes, headers: dict[str, str] | None = None,
-        **options: Unpack[SendKwargs],
-    ) -> list[str]:  # fmt: skip
-        """Stage one copy of the message per destination (a distribution list, MSMQ); return
-        their ids. All copies commit or none: a refused copy stages nothing and dooms the
-        branch, so the transaction rolls back."""
-        try:
-            return self._stage(destinations, body, headers, SendOptions.of(options))
-        except (InvalidMessageError, DestinationFullError) as exc:
-            self.doomed = f"distribution-list send refused: {exc}"
-            raise
-
-    def _stage(
-        self,
-        destinations: list[str],
-        body: bytes,
-        headers: dict[str, str] | None,
-        options: SendOptions,
-    ) -> list[str]:
-        if self.closed:
-            raise IllegalStateError(f"{self.name}: send after the branch ended")
-        if tracing.installed() is not None:  # the sending transaction's trace travels along
-            headers = {**(headers or {}), **tracing.message_headers(self.xid.gtrid)}
-        messages = outgoing(
-            destinations, body=body, headers=headers, options=options, now_ms=self._now_ms(),
-            max_bytes=self._max_bytes(),
-        )  # fmt: skip
-        for message in messages:  # a list's destinations differ: one more each
-            self._check_room(message.destination, self.staged[message.destination] + 1)
-        self.add(messages)
-        return [m.message_id for m in messages]
-
-    def add(self, messages: list[Message]) -> None:
-        """Stage checked messages (the count per destination kept, not recounted per send)."""
-        self.messages += messages
-        self.staged.update(m.destination for m in messages)
 
 
 class ProducerBranch(StagingBranch):

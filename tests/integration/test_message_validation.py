@@ -14,8 +14,21 @@ import pytest
 from coordinator import LogWriteError, MemoryDecisionLog, TransactionManager, Xid
 from messaging.auth import SharedSecret
 from messaging.connection import Connection, Listener, connect
-from messaging.frames import Ack, ErrorFrame, FrameType, Msg, Nack, Origin, Ping, XaReply, XaRequest
+from messaging.frames import (
+    PACKED_VERSION,
+    Ack,
+    ErrorFrame,
+    FrameType,
+    Msg,
+    Nack,
+    Origin,
+    Ping,
+    Value,
+    XaReply,
+    XaRequest,
+)
 from messaging.remote import PRODUCER_ROLE
+from messaging.remote._packed import pack
 from messaging.remote.protocol import message_from_value, message_to_value
 from messaging.server import CursorServer, LogServer
 from messaging.transfer import TRANSFER_ROLE, LogTransfer
@@ -172,18 +185,24 @@ def test_a_handler_error_reaches_the_peer_as_its_code_and_only_a_defect_is_inter
                 assert listener.stats[f"error_{code}"] == 1
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["maps", "packed"])
 def test_a_remote_producer_server_refuses_the_same_messages_and_writes_nothing(
-    tmp_path: Path,
+    tmp_path: Path, packed: bool
 ) -> None:
+    """Whether the messages come as a list of maps or packed (protocol version 4), the same
+    rules refuse them, after a good message of the same request, and nothing is written."""
     nowhere = ("127.0.0.1", 1)  # its transfer retries in the background; irrelevant here
+    good = Message("g", "ok", b"fine")
     with LogServer(tmp_path / "log", SECRET, cursor=nowhere, listen=("127.0.0.1", 0)) as server:
         assert server.address is not None
         with connect(server.address, SECRET, "app", PRODUCER_ROLE, timeout=5) as conn:
+            assert conn.version == PACKED_VERSION
             for n, (_, destination, headers) in enumerate(REFUSED, 1):
                 xid = Xid.branch_of(f"node:v-{n}", "mlog")
-                value = message_to_value(Message("m", destination, b"p", headers))
+                run = [good, Message("m", destination, b"p", headers)]
+                value: Value = pack(run) if packed else [message_to_value(m) for m in run]
                 conn.send(
-                    XaRequest(FrameType.XA_PREPARE, n, xid, {"rm": "mlog", "messages": [value]})
+                    XaRequest(FrameType.XA_PREPARE, n, xid, {"rm": "mlog", "messages": value})
                 )
                 reply = conn.recv(timeout=5)
                 assert isinstance(reply, XaReply) and reply.status == "mlog-invalid-message", reply

@@ -43,6 +43,7 @@ class LoseCommits:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.version = conn.version
 
     def recv(self, timeout: float | None = None) -> object:
         frame = self.conn.recv(timeout)

@@ -246,7 +246,7 @@ def test_handshake_refusals_get_their_documented_codes(
     refused = Wire(cursor.address)
     refused.recv()
     refused.send("AUTH", {"client_id": "stranger", "nonce": bytes(32), "role": "consumer",
-                          "version": 4, "proof": bytes(32)})  # fmt: skip
+                          "version": 5, "proof": bytes(32)})  # fmt: skip
     name, error = refused.recv()
     assert (name, error["code"]) == ("ERROR", "unsupported-version")
 
@@ -254,7 +254,7 @@ def test_handshake_refusals_get_their_documented_codes(
 def test_a_stranger_log_speaks_version_2_to_the_cursor(
     servers: tuple[LogServer, CursorServer],
 ) -> None:
-    """Sections 1, 2 and 7 in version 2: HELLO lists [1, 2, 3]; the transfer begins with ORIGIN;
+    """Sections 1, 2 and 7 in version 2: HELLO lists [1, 2, 3, 4]; the transfer begins with ORIGIN;
     each log's stream is its own at the cursor, and an older incarnation is fenced."""
     _, cursor = servers
     for log_id, body in (("stranger-a", b"from a"), ("stranger-b", b"from b")):
@@ -303,3 +303,51 @@ def test_a_stranger_log_sends_a_run_of_messages_as_one_msgs_in_version_3(
     assert wire.recv() == ("ACK", {"stream": "batched", "epoch": 4, "seq": 3})
     got = cursor.cursor.available("batched")
     assert [(d.body, d.headers["n"]) for d in got] == [(b"run %d" % n, str(n)) for n in (1, 2, 3)]
+
+
+def packed_messages(messages: list[dict[str, Any]]) -> bytes:
+    """Section 8.5's layout, built from the page alone."""
+    out = struct.pack(">I", len(messages))
+    for m in messages:
+        mid, dest = m["id"].encode(), m["destination"].encode()
+        headers = [(k.encode(), v.encode()) for k, v in m["headers"].items()]
+        flags = (1 if m["persistent"] else 0) | (4 if m["expires_at"] is not None else 0)
+        out += struct.pack(">BQHHIH", flags, m["expires_at"] or 0, len(mid), len(dest),
+                           len(m["body"]), len(headers))  # fmt: skip
+        out += mid + dest + m["body"]
+        for k, v in headers:
+            out += struct.pack(">HI", len(k), len(v)) + k + v
+    return out
+
+
+def test_a_stranger_producer_sends_packed_messages_in_version_4(
+    servers: tuple[LogServer, CursorServer],
+) -> None:
+    """Section 8.5: from version 4 a producer's ``messages`` may be one bytes value in a fixed
+    layout; the log takes them as the list of maps; on a version-3 connection, or broken, the
+    request is a bad request and nothing is staged."""
+    log, cursor = servers
+    assert log.address is not None
+    run = [{"id": f"packed-{n}", "destination": "packed", "body": b"p%d" % n,
+            "headers": {"n": str(n)}, "persistent": n != 2,
+            "expires_at": None if n != 3 else 4_000_000_000_000} for n in (1, 2, 3)]  # fmt: skip
+    older = Wire(log.address, version=3)
+    assert older.handshake("producer")[0] == "WELCOME" and older.version == 3
+    xid = [0x74706330, "stranger:p", "mlog"]
+    args = {"rm": "mlog", "messages": packed_messages(run)}
+    assert older.ask("XA_PREPARE", 1, xid, args)[0] == "bad-request"
+    producer = Wire(log.address, version=4)
+    assert producer.handshake("producer")[0] == "WELCOME" and producer.version == 4
+    broken = {"rm": "mlog", "messages": packed_messages(run)[:-1]}
+    assert producer.ask("XA_PREPARE", 2, xid, broken)[0] == "bad-request"
+    assert producer.ask("XA_RECOVER", 3, None, {"rm": "mlog"}) == ("ok", {"xids": []})
+    assert producer.ask("XA_PREPARE", 4, xid, args) == ("ok", {"vote": "commit"})
+    commit = {"rm": "mlog", "one_phase": False}
+    assert producer.ask("XA_COMMIT", 5, xid, commit) == ("ok", {"outcome": None})
+    deadline = time.monotonic() + 20
+    while len(got := cursor.cursor.available("packed")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = sorted((d.message_id, d.body, d.headers["n"], d.message.persistent,
+                   d.message.expires_at) for d in got)  # fmt: skip
+    assert seen == [(m["id"], m["body"], m["headers"]["n"], m["persistent"], m["expires_at"])
+                    for m in run]  # fmt: skip

@@ -41,6 +41,8 @@ from messaging.remote import (
     RemoteMessageLog,
     RemoteProducerBranch,
 )
+from messaging.remote._packed import pack
+from messaging.remote.protocol import message_to_value
 from resource_managers.cursor import Cursor, Delivery
 from resource_managers.message_log import (
     DestinationFullError,
@@ -224,15 +226,20 @@ def test_a_full_destination_is_refused_at_prepare_as_transient(
         assert bodies(log) == [b"fits"]
 
 
-def test_a_branch_too_large_for_one_frame_goes_in_shares(
+@pytest.mark.parametrize("version", [4, 3], ids=["packed", "maps"])
+def test_a_branch_too_large_for_one_frame_goes_in_shares(  # noqa: PLR0917 - fixtures
     engine: sa.Engine,
     mlog: MessageLog,
     remote_log: RemoteMessageLog,
     managers: list[TransactionManager],
+    monkeypatch: pytest.MonkeyPatch,
+    version: int,
 ) -> None:
     """40,000 messages of 400 bytes: over 16 MiB in one prepare, which the frame limit refuses.
     They go in shares on one connection, then prepare and commit in order with PostgreSQL; a
-    one-phase commit of a large branch likewise."""
+    one-phase commit of a large branch likewise. Packed (protocol version 4) or, from a client
+    that speaks version 3, as lists of maps."""
+    monkeypatch.setattr("messaging.auth.SUPPORTED_VERSIONS", frozenset(range(1, version + 1)))
     db = PostgresResource(engine, "db")
     tm = make_manager(managers, [db, remote_log])
     payloads = [b"%06d" % i + b"x" * 394 for i in range(40_000)]
@@ -250,6 +257,9 @@ def test_a_branch_too_large_for_one_frame_goes_in_shares(
         for body in payloads[:20_000]:
             branch.send("audit", body)
     assert bodies(mlog, "audit") == payloads[:20_000]
+    conn = remote_log._pool.acquire()
+    assert conn.version == version  # the form the messages travelled in
+    remote_log._pool.release(conn)
 
 
 def test_a_connection_broken_between_shares_rolls_the_shares_back(
@@ -503,6 +513,7 @@ class DropReplies:
 
     def __init__(self, conn: Connection, verb: FrameType, limit: int = 1) -> None:
         self.conn, self.verb, self.limit = conn, verb, limit
+        self.version = conn.version
         self.last: object = None
 
     def recv(self, timeout: float | None = None) -> object:
@@ -646,6 +657,39 @@ def test_malformed_requests_get_an_error_and_the_connection_goes_on(
         reply = ask(conn, FrameType.XA_COMMIT, 5, pxid, {"rm": "mlog", "one_phase": False})
         assert reply.status == "ok" and reply.result == {"outcome": None}
     assert bodies(mlog) == [b"x"]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["maps", "packed"])
+def test_a_refused_request_rolls_back_the_shares_staged_before_it(
+    log_server: Listener, mlog: MessageLog, packed: bool
+) -> None:
+    """A share is staged, then a request of the same branch is refused (an invalid message, a
+    broken packed run): the whole branch is rolled back, the share with it, so a client that
+    goes on (stages more, prepares) can never prepare the shares before the refusal without
+    the rest."""
+
+    def messages(*ms: Message) -> Value:
+        return pack(list(ms)) if packed else [message_to_value(m) for m in ms]
+
+    refusals: list[tuple[Value, str]] = [(messages(Message("bad", "q.DLQ", b"x")),
+                                          "mlog-invalid-message")]  # fmt: skip
+    if packed:
+        refusals.append((pack([Message("cut", "orders", b"x")])[:-1], "bad-request"))
+    for n, (refused, status) in enumerate(refusals):
+        xid = Xid.branch_of(f"node-1:raw-3{n}", "mlog")
+        with connect(log_server.address, SECRET, "raw", PRODUCER_ROLE) as conn:
+            share = {
+                "rm": "mlog",
+                "op": "stage",
+                "messages": messages(Message("m1", "orders", b"1")),
+            }
+            assert ask(conn, FrameType.XA_START, 1, xid, share).result == {"staged": 1}
+            stage = {"rm": "mlog", "op": "stage", "messages": refused}
+            assert ask(conn, FrameType.XA_START, 2, xid, stage).status == status
+            more = {"rm": "mlog", "messages": messages(Message(f"m{n}", "orders", b"5"))}
+            reply = ask(conn, FrameType.XA_PREPARE, 3, xid, more)
+            assert reply.status != "ok", reply  # the branch is gone: its gid rolled back
+        assert mlog.prepared_gids() == [] and bodies(mlog) == []
 
 
 def test_remote_error_codes_rebuild_the_right_exceptions() -> None:

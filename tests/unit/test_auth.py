@@ -109,9 +109,9 @@ def test_handshake_identifies_both_sides_and_frames_flow_after(
     client, server = pair
     served = Background(lambda: server_handshake(server, SECRET, "log-1", roles={"cursor"}))
     assert client_handshake(client, SECRET, "cursor-9", "cursor", server_id="log-1") == Peer(
-        "log-1", "cursor", 3
+        "log-1", "cursor", 4
     )  # the highest version both speak
-    assert served.result() == Peer("cursor-9", "cursor", 3)
+    assert served.result() == Peer("cursor-9", "cursor", 4)
     assert server.gettimeout() is None  # restored after the handshake
     send_frame(client, Ping(7))
     assert FrameReader(server).read() == Ping(7)
@@ -166,7 +166,7 @@ def test_proofs_are_bound_to_side_role_and_nonces() -> None:
     _, auth = answer_hello(SECRET, hello, "cursor-9", "cursor", None)
     _, welcome = check_auth(SECRET, hello, auth, None)
     assert welcome.proof != auth.proof  # a client proof cannot be reflected as a server proof
-    assert check_welcome(SECRET, hello, auth, welcome) == Peer("log-1", "cursor", 3)
+    assert check_welcome(SECRET, hello, auth, welcome) == Peer("log-1", "cursor", 4)
     for forged in (
         auth.__class__(auth.client_id, auth.nonce, "admin", auth.version, auth.proof),
         auth.__class__("other", auth.nonce, auth.role, auth.version, auth.proof),
@@ -195,7 +195,7 @@ def test_a_recorded_auth_is_refused_on_a_new_connection() -> None:
                 recorded.append(auth)
             send_frame(client, recorded[0])
             if attempt == 0:
-                assert served.result() == Peer("cursor-9", "cursor", 3)
+                assert served.result() == Peer("cursor-9", "cursor", 4)
                 assert isinstance(reader.read(), Welcome)
             else:
                 with pytest.raises(AuthError) as caught:
@@ -293,7 +293,7 @@ def test_no_common_version_is_refused_by_the_client(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     client, server = pair
-    send_frame(server, Hello(b"\0" * NONCE_BYTES, "future", (4, 5)))
+    send_frame(server, Hello(b"\0" * NONCE_BYTES, "future", (5, 6)))
     with pytest.raises(AuthError) as caught:
         client_handshake(client, SECRET, "cursor-9", "cursor")
     assert caught.value.what == "version"  # type: ignore[attr-defined]
@@ -382,7 +382,7 @@ def test_asyncio_handshake(client_secret: SharedSecret) -> None:
 
     mine, theirs = asyncio.run(scenario())
     if client_secret is SECRET:
-        assert (mine, theirs) == (Peer("log-a", "cursor", 3), Peer("c-1", "cursor", 3))
+        assert (mine, theirs) == (Peer("log-a", "cursor", 4), Peer("c-1", "cursor", 4))
     else:
         assert (mine.what, mine.got, theirs.what) == ("refused", "auth-failed", "proof")
 

@@ -363,7 +363,7 @@ BAD_FRAMES = {
     "http": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "magic"),
     "magic": (raw_frame(PING, b"\x09\x00", magic=b"TPCX"), "magic"),
     "version-0": (raw_frame(PING, b"\x09\x00", version=0), "version"),
-    "version-4": (raw_frame(PING, b"\x09\x00", version=4), "version"),
+    "version-5": (raw_frame(PING, b"\x09\x00", version=5), "version"),
     "flags": (raw_frame(PING, b"\x09\x00", flags=0x8000), "flags"),
     "unknown-type": (raw_frame(99, b"\x09\x00"), "type"),
     "type-zero": (raw_frame(0, b"\x09\x00"), "type"),
@@ -429,7 +429,7 @@ def test_frame_errors_carry_expected_and_got_and_pickle() -> None:
     with pytest.raises(FrameError) as caught:
         decode(raw_frame(PING, b"", version=9))
     error = caught.value
-    assert (error.what, error.expected, error.got) == ("version", [1, 2, 3], 9)  # type: ignore[attr-defined]
+    assert (error.what, error.expected, error.got) == ("version", [1, 2, 3, 4], 9)  # type: ignore[attr-defined]
     assert "unsupported protocol version" in str(error) and str(error).startswith("[bad-frame]")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.__dict__ == error.__dict__ and str(copy) == str(error)
