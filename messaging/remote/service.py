@@ -152,6 +152,15 @@ class Open(dict[Xid, Any]):
         self.client: Client | None = None
         #: the current producer request's messages, decoded and checked once (`_decode`)
         self.messages: list[Message] = []
+        #: the resource (``rm``) each branch was started on: a sub-branch's bqual (``mlog~t``)
+        #: is not its resource's name, and only that resource holds the branch
+        self.rm_of: dict[Xid, str] = {}
+
+    def end(self, xid: Xid) -> str:
+        """The branch is no longer this connection's (ended, prepared, or dropped): the name of
+        the resource it was started on (its bqual if this connection never started it)."""
+        self.pop(xid, None)
+        return self.rm_of.pop(xid, xid.bqual)
 
 
 class _Service(Generic[R]):
@@ -273,9 +282,9 @@ class _Service(Generic[R]):
             self._drop(xid, opened)
 
     def _drop(self, xid: Xid, opened: Open) -> None:
-        opened.pop(xid, None)
+        rm = opened.end(xid)
         try:
-            self.resource(xid.bqual).rollback(xid)
+            self.resource(rm).rollback(xid)
         except TransactionError as exc:
             log.error("rollback of abandoned branch %s failed: %s", xid, exc)
         except Exception:
@@ -288,7 +297,7 @@ class _Service(Generic[R]):
     # -- verbs both roles share --------------------------------------------------------------
 
     def _rollback(self, r: R, xid: Xid, args: Mapping[str, Value], opened: Open) -> Result:
-        opened.pop(xid, None)
+        opened.end(xid)
         return {"outcome": outcome_to_value(r.rollback(xid))}
 
     def _recover(self, r: R, xid: None, args: Mapping[str, Value], opened: Open) -> Result:
@@ -330,7 +339,8 @@ class ProducerService(_Service[MessageLogResource]):
         """A refused stage, prepare or one-phase commit (a bad or unauthorised message among
         them, a broken packed run, no room) rolls back what this connection staged of its
         branch: the whole branch goes, never the refused part alone, so a client that tried
-        again could not prepare the shares before it without the rest."""
+        again could not prepare the shares before it without the rest. A two-phase commit is
+        among these verbs on purpose: a branch still in `opened` was never prepared."""
         xid = request.xid
         if request.verb in _MESSAGE_VERBS and xid is not None and xid in opened:
             self._drop(xid, opened)
@@ -400,6 +410,7 @@ class ProducerService(_Service[MessageLogResource]):
                 raise IllegalStateError(f"{r.name}: {gid} is already prepared or committed")
             branch = r.start(xid)
             opened[xid] = branch
+            opened.rm_of[xid] = r.name
         try:
             self._stage(branch, messages)
         except BaseException:
@@ -428,7 +439,7 @@ class ProducerService(_Service[MessageLogResource]):
         except BaseException:
             self._drop(xid, opened)  # a no vote: the coordinator rolls back all the same
             raise
-        opened.pop(xid, None)
+        opened.end(xid)
         return {"vote": vote_to_value(vote)}
 
     def _commit(
@@ -447,7 +458,7 @@ class ProducerService(_Service[MessageLogResource]):
         except BaseException:
             self._drop(xid, opened)
             raise
-        opened.pop(xid, None)
+        opened.end(xid)
         return {"outcome": outcome_to_value(outcome)}
 
 
@@ -526,6 +537,7 @@ class ConsumerService(_Service[CursorResource]):
         if branch is None:
             branch = r.start(xid)
             opened[xid] = branch
+            opened.rm_of[xid] = r.name
         got = branch.receive_many(destination, most, wait)
         return {"deliveries": [delivery_to_value(d) for d in got]}
 
@@ -577,7 +589,7 @@ class ConsumerService(_Service[CursorResource]):
         except BaseException:
             self._drop(xid, opened)
             raise
-        opened.pop(xid, None)
+        opened.end(xid)
         return {"vote": vote_to_value(vote)}
 
     def _commit(
@@ -593,7 +605,7 @@ class ConsumerService(_Service[CursorResource]):
         except BaseException:
             self._drop(xid, opened)
             raise
-        opened.pop(xid, None)
+        opened.end(xid)
         return {"outcome": outcome_to_value(outcome)}
 
 

@@ -7,6 +7,7 @@ middle of a consumer's branch (no duplicate, no loss), refused peers, and malfor
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -690,6 +691,36 @@ def test_a_refused_request_rolls_back_the_shares_staged_before_it(
             reply = ask(conn, FrameType.XA_PREPARE, 3, xid, more)
             assert reply.status != "ok", reply  # the branch is gone: its gid rolled back
         assert mlog.prepared_gids() == [] and bodies(mlog) == []
+
+
+def test_a_sub_branch_dropped_by_the_server_is_rolled_back_where_it_was_started(
+    mlog: MessageLog,
+) -> None:
+    """A sub-branch (bqual ``mlog~t``, as a Spark task's) is started on the resource ``mlog``; a
+    refusal or the connection's end rolls it back there. It was rolled back on a resource of its
+    bqual's name, made for it: the branch stayed active in ``mlog`` for good (the next start of
+    it was refused as already active) and every such drop used up one of the server's resource
+    names."""
+    service = ProducerService(mlog)
+    xid = Xid.branch_of("node-1:sub-1", "mlog~t")
+    good = [message_to_value(Message("m1", "orders", b"1"))]
+    bad = [message_to_value(Message("m2", "orders.DLQ", b"2"))]
+    with serve(PRODUCER_ROLE, service) as listener:
+        for refused in (True, False):
+            with connect(listener.address, SECRET, "raw", PRODUCER_ROLE) as conn:
+                share = {"rm": "mlog", "op": "stage", "messages": good}
+                assert ask(conn, FrameType.XA_START, 1, xid, share).status == "ok"
+                if refused:
+                    stage = {"rm": "mlog", "op": "stage", "messages": bad}
+                    reply = ask(conn, FrameType.XA_START, 2, xid, stage)
+                    assert reply.status == "mlog-invalid-message"
+            # refused, or the connection ended: the branch is no longer active anywhere
+            deadline = time.monotonic() + 10
+            while service.resource("mlog")._active(xid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not service.resource("mlog")._active(xid)
+        assert sorted(service._resources) == ["mlog"]
+    assert mlog.prepared_gids() == [] and bodies(mlog) == []
 
 
 def test_remote_error_codes_rebuild_the_right_exceptions() -> None:
