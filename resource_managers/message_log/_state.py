@@ -74,9 +74,11 @@ class Stream:
                 break
             above.append(seq)
         for seq in above:
-            late[seq] = messages.pop(seq)
-        for seq in sorted(late):
-            messages[seq] = late[seq]
+            late[seq] = messages[seq]
+        ordered = sorted(late.items())  # all of it made before the stream changes
+        for seq in above:
+            del messages[seq]
+        messages.update(ordered)
 
     def ack(self, upto: int) -> int:
         """Drop messages up to ``upto``; how many left."""
@@ -181,7 +183,7 @@ class LogState:
 
     def add_numbered(self, numbers: Iterable[Sequence[Any]], messages: Iterable[Message]) -> None:
         """Each message joins its stream under its ``(stream, seq)``, one `Stream.add_many` per
-        stream (so a stream is sorted at most once per commit)."""
+        stream (so a stream merges late numbers at most once per commit)."""
         by_stream: dict[str, list[tuple[int, Message]]] = {}
         for (name, seq), message in zip(numbers, messages, strict=True):
             by_stream.setdefault(name, []).append((seq, message))
