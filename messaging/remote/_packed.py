@@ -36,7 +36,6 @@ _COUNT = struct.Struct(">I")
 _FIXED = struct.Struct(">BQHHIH")
 _HEADER = struct.Struct(">HI")
 _PERSISTENT, _EXPIRES = 1, 4
-_U16, _U32, _U64 = 2**16, 2**32, 2**64
 #: a packed message's bytes besides its id, destination, body and headers' text
 FIXED_BYTES = _FIXED.size
 HEADER_BYTES = _HEADER.size

@@ -90,17 +90,11 @@ class StagingBranch:
         (body, size): a writer of thousands of rows pays for its bodies, not for the checks.
         All or nothing: a refused body (`InvalidMessageError`) or a destination without room
         for them all (`DestinationFullError`) stages none of them."""
-        if self.closed:
-            raise IllegalStateError(f"{self.name}: send after the branch ended")
+        self._refuse_if_closed()
         bodies = list(bodies)
         if not bodies:
             return []
-        if tracing.installed() is not None:
-            headers = {**(headers or {}), **tracing.message_headers(self.xid.gtrid)}
-        first = outgoing(
-            [destination], body=bodies[0], headers=headers, options=SendOptions.of(options),
-            now_ms=self._now_ms(), max_bytes=self._max_bytes(),
-        )  # fmt: skip
+        first = self._outgoing([destination], bodies[0], headers, SendOptions.of(options))
         messages = copies_with_bodies(first[0], bodies[1:], max_bytes=self._max_bytes())
         self._check_room(destination, self.staged[destination] + len(messages))
         self.add(messages)
@@ -113,18 +107,32 @@ class StagingBranch:
         headers: dict[str, str] | None,
         options: SendOptions,
     ) -> list[str]:
-        if self.closed:
-            raise IllegalStateError(f"{self.name}: send after the branch ended")
-        if tracing.installed() is not None:  # the sending transaction's trace travels along
-            headers = {**(headers or {}), **tracing.message_headers(self.xid.gtrid)}
-        messages = outgoing(
-            destinations, body=body, headers=headers, options=options, now_ms=self._now_ms(),
-            max_bytes=self._max_bytes(),
-        )  # fmt: skip
+        messages = self._outgoing(destinations, body, headers, options)
         for message in messages:  # a list's destinations differ: one more each
             self._check_room(message.destination, self.staged[message.destination] + 1)
         self.add(messages)
         return [m.message_id for m in messages]
+
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise IllegalStateError(f"{self.name}: send after the branch ended")
+
+    def _outgoing(
+        self,
+        destinations: list[str],
+        body: bytes,
+        headers: dict[str, str] | None,
+        options: SendOptions,
+    ) -> list[Message]:
+        """The checked messages of one send (`outgoing`), the sending transaction's trace in
+        their headers; nothing staged yet."""
+        self._refuse_if_closed()
+        if tracing.installed() is not None:  # the sending transaction's trace travels along
+            headers = {**(headers or {}), **tracing.message_headers(self.xid.gtrid)}
+        return outgoing(
+            destinations, body=body, headers=headers, options=options, now_ms=self._now_ms(),
+            max_bytes=self._max_bytes(),
+        )  # fmt: skip
 
     def add(self, messages: list[Message]) -> None:
         """Stage checked messages (the count per destination kept, not recounted per send)."""

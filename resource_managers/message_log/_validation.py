@@ -101,11 +101,15 @@ def check_message(message: Message, *, max_bytes: int | None = None) -> Message:
     if size is None:
         size = _check_fields(message)
     if max_bytes is not None and size > max_bytes:
-        raise InvalidMessageError(
-            f"message of {size} bytes (body and headers) exceeds the limit of "
-            f"{max_bytes}; nothing was staged"
-        )
+        raise _too_large(size, max_bytes)
     return message
+
+
+def _too_large(size: int, max_bytes: int) -> InvalidMessageError:
+    return InvalidMessageError(
+        f"message of {size} bytes (body and headers) exceeds the limit of {max_bytes}; nothing "
+        "was staged"
+    )
 
 
 def _check_fields(message: Message) -> int:
@@ -277,10 +281,7 @@ def copies_with_bodies(
             body = bytes(given)
         size = len(body) + extra
         if size > max_bytes:
-            raise InvalidMessageError(
-                f"message of {size} bytes (body and headers) exceeds the limit of "
-                f"{max_bytes}; nothing was staged"
-            )
+            raise _too_large(size, max_bytes)
         message = Message(new_id(), dest, body, dict(headers), persistent, expires)
         object.__setattr__(message, _CHECKED_SIZE, size)  # as `_check_fields` records it
         out.append(message)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from coordinator import (
-    MemoryDecisionLog,
     TransactionManager,
     TransactionRolledBack,
     TransientError,
@@ -23,6 +22,7 @@ from resource_managers.message_log import (
     MessageLog,
     MessageLogResource,
 )
+from tests.support.managers import make_manager
 
 SECRET = SharedSecret(b"send-many-test-secret-0123456789")
 
@@ -42,30 +42,27 @@ def producer(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[M
             yield mlog, remote
 
 
-def _manager(resource: object) -> TransactionManager:
-    return TransactionManager("node-1", MemoryDecisionLog(), [resource], recovery_interval=None,
-                              reaper_interval=None)  # fmt: skip
-
-
-def test_a_batch_is_a_send_per_body(producer: tuple[MessageLog, object]) -> None:
+def test_a_batch_is_a_send_per_body(
+    producer: tuple[MessageLog, object], managers: list[TransactionManager]
+) -> None:
     mlog, resource = producer
-    tm = _manager(resource)
+    tm = make_manager(managers, [resource])
     with tm.transaction() as tx:
         branch = tx.join(resource)
         ids = branch.send_many("orders", [b"a", bytearray(b"b"), b"c"], {"h": "1"}, priority=7)
         assert branch.send_many("orders", []) == []
-    tm.close()
-    if hasattr(resource, "flush_commits"):
-        resource.flush_commits()
+    tm.close()  # and with it the lazy commits: their messages are visible
     got = [m for _, m in mlog.pending("orders")]
     assert [m.message_id for m in got] == ids and len(set(ids)) == 3
     assert [m.body for m in got] == [b"a", b"b", b"c"]
     assert all(m.headers == {"h": "1", "twopc-priority": "7"} for m in got)
 
 
-def test_one_refused_body_stages_none_of_the_batch(producer: tuple[MessageLog, object]) -> None:
+def test_one_refused_body_stages_none_of_the_batch(
+    producer: tuple[MessageLog, object], managers: list[TransactionManager]
+) -> None:
     mlog, resource = producer
-    tm = _manager(resource)
+    tm = make_manager(managers, [resource])
     with tm.transaction() as tx:
         branch = tx.join(resource)
         branch.send("orders", b"kept")
@@ -75,35 +72,33 @@ def test_one_refused_body_stages_none_of_the_batch(producer: tuple[MessageLog, o
             branch.send_many("orders", [b"fine", b"x" * (mlog.max_message_bytes + 1)])
         with pytest.raises(InvalidMessageError):
             branch.send_many("orders.DLQ", [b"fine"])
-    tm.close()
-    if hasattr(resource, "flush_commits"):
-        resource.flush_commits()
+    tm.close()  # and with it the lazy commits: their messages are visible
     assert [m.body for _, m in mlog.pending("orders")] == [b"kept"]
 
 
 def test_a_batch_over_the_destination_limit_is_refused_whole(
-    producer: tuple[MessageLog, object],
+    producer: tuple[MessageLog, object], managers: list[TransactionManager]
 ) -> None:
     """Five messages fit: a local branch refuses a batch of six at the send, a remote one at
     the prepare (where a remote log checks the room); nothing of it is written either way."""
     mlog, resource = producer
-    tm = _manager(resource)
+    tm = make_manager(managers, [resource])
     # a remote one-phase commit refused for room: the transaction rolled back, saying why
     refused = pytest.raises((TransientError, TransactionRolledBack), match="limit is 5")
     with refused, tm.transaction() as tx:
         tx.join(resource).send_many("orders", [b"%d" % n for n in range(6)])
     with tm.transaction() as tx:
         tx.join(resource).send_many("orders", [b"%d" % n for n in range(5)])
-    tm.close()
-    if hasattr(resource, "flush_commits"):
-        resource.flush_commits()
+    tm.close()  # and with it the lazy commits: their messages are visible
     assert len(list(mlog.pending("orders"))) == 5 and mlog.prepared_gids() == []
 
 
-def test_a_local_branch_refuses_an_oversized_batch_at_the_send(tmp_path: Path) -> None:
+def test_a_local_branch_refuses_an_oversized_batch_at_the_send(
+    tmp_path: Path, managers: list[TransactionManager]
+) -> None:
     with MessageLog(tmp_path / "log", max_destination_messages=5) as mlog:
         resource = MessageLogResource(mlog, "mlog")
-        tm = _manager(resource)
+        tm = make_manager(managers, [resource])
         with tm.transaction() as tx:
             branch = tx.join(resource)
             with pytest.raises(DestinationFullError):
